@@ -1,0 +1,129 @@
+"""python -m export: packaged (or given) weights -> a verified ONNX model repository.
+
+Writes into a temporary directory beside --out and moves it into place only when the parity gate
+passes, so a failed export never leaves a half-written repository behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime
+import tokenizers
+import torch
+
+from export.onnx import IR_VERSION, OPSET, export_onnx, save
+from export.optimize import cpu_session, graph_plan
+from export.parity import ParityError, run_parity
+from model.data import DataError
+from model.tokenizer import Tokenizer
+from model.weights import (
+    DEFAULT_SHA256,
+    Checkpoint,
+    WeightsError,
+    default_weights_dir,
+    load_checkpoint,
+    sha256_file,
+)
+
+MANIFEST_VERSION = 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    p.add_argument("--weights", type=Path, help="Hugging Face BERT-family directory (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--sha256", help="expected sha256 of model.safetensors (checked for the default weights always)")
+    p.add_argument("--out", type=Path, default=Path("build/model"), help="model repository to write (default: build/model)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("EMBED_DATA_DIR") or None,
+        help="directory holding stsbenchmark/ for the parity gate [env EMBED_DATA_DIR]; "
+        "without it parity runs on sentences the project carries",
+    )
+    return p.parse_args(argv)
+
+
+def manifest(ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any]) -> dict[str, Any]:
+    c = ckpt.config
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "model_id": ckpt.model_id,
+        "source": str(ckpt.directory),
+        "weights_sha256": ckpt.sha256,
+        "onnx_sha256": sha256_file(onnx_path),
+        "config": c.to_dict(),
+        "dimensions": c.hidden_size,
+        "max_input_tokens": c.max_seq_length,
+        "pooling": c.pooling,
+        "normalize": c.normalize,
+        "opset": OPSET,
+        "ir_version": IR_VERSION,
+        "inputs": {"input_ids": "int64 [batch, sequence]", "lengths": "int64 [batch]"},
+        "outputs": {"embeddings": "float32 [batch, dim], L2-normalised", "pooled": "float32 [batch, dim]"},
+        "graphs": graph_plan(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "parity": parity,
+    }
+
+
+def build(weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None) -> None:
+    encoder, ckpt = load_checkpoint(weights, expected_sha256)
+    tokenizer = Tokenizer(weights / "tokenizer.json", ckpt.config.max_seq_length)
+    onnx_path = staging / "model.onnx"
+    save(export_onnx(encoder), onnx_path)
+    shutil.copyfile(weights / "tokenizer.json", staging / "tokenizer.json")
+    reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
+    report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
+    print(report.table())
+    report.raise_on_failure()
+    text = json.dumps(manifest(ckpt, onnx_path, report.to_dict()), indent=2, sort_keys=True)
+    (staging / "manifest.json").write_text(text + "\n", encoding="utf-8")
+
+
+def replace_dir(staging: Path, out: Path) -> None:
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        weights = args.weights or default_weights_dir()
+        expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+        staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
+        try:
+            build(weights, expected, staging, args.data_dir)
+            replace_dir(staging, args.out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except (WeightsError, ParityError, DataError, OSError) as e:
+        print(f"export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"export: wrote {args.out} (parity passed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

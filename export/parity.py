@@ -1,0 +1,213 @@
+"""The parity gate: the exported model must give the reference model's vectors.
+
+Four checks, each reported with how far off it is (min cosine, max abs difference), shape errors
+apart from value errors:
+1. this PyTorch encoder vs the reference sentence-transformers model on the same weights;
+2. ONNX Runtime vs this PyTorch encoder;
+3. batch invariance: each input alone vs inside a padded batch of mixed lengths (ONNX Runtime);
+4. STS-B dev Spearman (x100) from the ONNX path vs the reference's (needs a data directory).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from scipy.stats import spearmanr
+
+from model.data import ScoredPair, read_sts, sts_path
+from model.encoder import Encoder
+from model.tokenizer import Tokenizer, pad_batch
+
+MIN_COSINE = 0.99999
+MAX_ABS_DIFF = 1e-5
+MAX_SPEARMAN_GAP = 0.05
+BATCH = 64
+CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
+
+Embedder = Callable[[list[list[int]]], np.ndarray]
+
+
+class ParityError(Exception):
+    """The exported model is not close enough to the reference; the message says which check."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    figures: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def reason(self) -> str:
+        shown = ", ".join(f"{k} {v:.9g}" for k, v in self.figures.items())
+        return f"{self.name}: {self.note or shown}"
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    checks: list[Check]
+    inputs: int
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def table(self) -> str:
+        lines = [f"{'check':<34} {'result':<6} figures", "-" * 78]
+        for c in self.checks:
+            verdict = "ok" if c.passed else "FAIL"
+            lines.append(f"{c.name:<34} {verdict:<6} {c.note or c.reason().split(': ', 1)[1]}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "inputs": self.inputs,
+            "thresholds": {"min_cosine": MIN_COSINE, "max_abs_diff": MAX_ABS_DIFF, "max_spearman_gap": MAX_SPEARMAN_GAP},
+            "checks": [{"name": c.name, "passed": c.passed, **c.figures, **({"note": c.note} if c.note else {})} for c in self.checks],
+        }
+
+    def raise_on_failure(self) -> None:
+        failed = [c for c in self.checks if not c.passed]
+        if failed:
+            raise ParityError("parity gate failed: " + "; ".join(c.reason() for c in failed))
+
+
+def compare(name: str, got: np.ndarray, want: np.ndarray, max_abs: float | None = MAX_ABS_DIFF) -> Check:
+    """Min cosine and max abs difference between two (N, D) arrays, rows paired."""
+    if got.shape != want.shape:
+        return Check(name, False, note=f"shape {got.shape} vs {want.shape}")
+    if not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return Check(name, False, note="non-finite values")
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    cosine = (g * w).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(w, axis=1))
+    figures = {"min_cosine": float(cosine.min()), "max_abs_diff": float(np.abs(g - w).max())}
+    passed = figures["min_cosine"] >= MIN_COSINE
+    if max_abs is not None:
+        passed = passed and figures["max_abs_diff"] <= max_abs
+    return Check(name, passed, figures)
+
+
+def _batched(
+    rows: Sequence[list[int]], run: Callable[[np.ndarray, np.ndarray], np.ndarray], batch: int
+) -> np.ndarray:
+    """Run rows in batches in the order given; (N, D) out."""
+    return np.concatenate([run(*pad_batch(list(rows[i : i + batch]))) for i in range(0, len(rows), batch)])
+
+
+def length_sorted(embed: Embedder) -> Embedder:
+    """Batch rows of similar length together (little padding), return them in the caller's order."""
+
+    def run(rows: list[list[int]]) -> np.ndarray:
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        ordered = embed([rows[i] for i in order])
+        out = np.empty_like(ordered)
+        out[order] = ordered
+        return out
+
+    return run
+
+
+def torch_embedder(encoder: Encoder, batch: int = BATCH) -> Embedder:
+    assert not encoder.training, "parity needs the encoder in eval mode (dropout off)"
+    def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return encoder.embed(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
+
+    return lambda rows: _batched(rows, run, batch)
+
+
+def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH) -> Embedder:
+    def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        return np.asarray(session.run(["embeddings"], {"input_ids": ids, "lengths": lengths})[0])
+
+    return lambda rows: _batched(rows, run, batch)
+
+
+def reference_embed(weights_dir: Path, texts: list[str], max_length: int) -> np.ndarray:
+    """sentence-transformers on the same weights: the implementation the encoder must match."""
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(weights_dir), device="cpu", local_files_only=True)
+    reference.max_seq_length = max_length
+    return np.asarray(reference.encode(texts, batch_size=BATCH, convert_to_numpy=True))
+
+
+def spearman_x100(vectors: dict[str, np.ndarray], pairs: list[ScoredPair]) -> float:
+    a = np.stack([vectors[p.first] for p in pairs])
+    b = np.stack([vectors[p.second] for p in pairs])
+    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(spearmanr(cosine, [p.score for p in pairs]).statistic * 100)
+
+
+def edge_rows(tokenizer: Tokenizer, cls_id: int, sep_id: int) -> list[list[int]]:
+    """Id sequences at the limits: 1 token, and exactly the maximum length."""
+    longest = [cls_id] + [1000 + i % 2000 for i in range(tokenizer.max_length - 2)] + [sep_id]
+    return [[cls_id], longest, [cls_id, sep_id]]
+
+
+def parity_texts(data_dir: Path | None) -> tuple[list[str], list[ScoredPair]]:
+    """STS-B dev sentences when a data directory is given, else the sentences the project carries."""
+    edge = ["a", "word " * 400]  # one word, and an input truncated at the maximum length
+    if data_dir is None:
+        carried = CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines()
+        return list(dict.fromkeys(carried + edge)), []
+    pairs = read_sts(sts_path(data_dir, "dev"))
+    texts = [s for p in pairs for s in (p.first, p.second)]
+    return list(dict.fromkeys(texts + edge)), pairs
+
+
+def batch_invariance(embed: Embedder, rows: list[list[int]], seed: int = 0) -> Check:
+    """Each row alone vs inside shuffled (so mixed-length, padded) batches."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    mixed = embed([rows[i] for i in order])
+    in_batch = np.empty_like(mixed)
+    in_batch[order] = mixed
+    alone = np.concatenate([embed([row]) for row in rows])
+    return compare("3 batch invariance (onnx)", alone, in_batch, max_abs=None)
+
+
+def run_parity(
+    encoder: Encoder,
+    session: ort.InferenceSession,
+    tokenizer: Tokenizer,
+    weights_dir: Path,
+    data_dir: Path | None,
+    reference: bool = True,
+) -> ParityReport:
+    """All four checks. ``reference=False`` compares with this encoder where no reference exists."""
+    texts, pairs = parity_texts(data_dir)
+    rows = tokenizer.encode(texts).ids
+    edges = edge_rows(tokenizer, cls_id=rows[0][0], sep_id=rows[0][-1])
+    all_rows = rows + edges
+    ours = length_sorted(torch_embedder(encoder))(all_rows)
+    onnx_embed = onnx_embedder(session)
+    exported = length_sorted(onnx_embed)(all_rows)
+    mixed_edges = onnx_embed([edges[0], edges[1]])  # 1 token and the maximum length in one batch
+    checks = []
+    if reference:
+        want = reference_embed(weights_dir, texts, tokenizer.max_length)
+        checks.append(compare("1 pytorch vs sentence-transformers", ours[: len(rows)], want))
+    else:
+        want = ours[: len(rows)]
+        checks.append(Check("1 pytorch vs sentence-transformers", True, note="skipped: no reference for this config"))
+    checks.append(compare("2 onnx vs pytorch", np.concatenate([exported, mixed_edges]), np.concatenate([ours, ours[len(rows) : len(rows) + 2]])))
+    checks.append(batch_invariance(onnx_embed, all_rows))
+    checks.append(_spearman_check(texts, exported[: len(rows)], want, pairs))
+    return ParityReport(checks, len(all_rows))
+
+
+def _spearman_check(texts: list[str], exported: np.ndarray, want: np.ndarray, pairs: list[ScoredPair]) -> Check:
+    name = "4 sts-b dev spearman (onnx vs ref)"
+    if not pairs:
+        return Check(name, True, note="skipped: no data directory given")
+    got = spearman_x100(dict(zip(texts, exported, strict=True)), pairs)
+    ref = spearman_x100(dict(zip(texts, want, strict=True)), pairs)
+    figures = {"spearman_onnx": got, "spearman_reference": ref, "gap": abs(got - ref)}
+    return Check(name, abs(got - ref) <= MAX_SPEARMAN_GAP, figures)

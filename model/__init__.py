@@ -1,0 +1,1 @@
+"""A BERT-family Transformer encoder written in PyTorch, with checkpoint import and tokenization."""

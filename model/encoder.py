@@ -1,0 +1,160 @@
+"""A post-LN Transformer encoder (BERT family) whose padding masks are built from per-row lengths.
+
+Every module takes the lengths of its rows, never a ready-made mask: the mask is derived in one
+place (``padding_mask``), so the ONNX graph and the server agree on what counts as a real token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import EncoderConfig
+
+
+def padding_mask(lengths: Tensor, seq_len: int) -> Tensor:
+    """True where a position holds a real token: (B,) lengths -> (B, T) bool."""
+    positions = torch.arange(seq_len, device=lengths.device)
+    return positions.unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d))."""
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table.float()
+
+
+class Embeddings(nn.Module):
+    """Token + position + token-type embeddings, then LayerNorm."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        if config.position == "learned":
+            self.position: nn.Embedding | None = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size
+            )
+        else:
+            self.position = None
+            table = sinusoidal_table(config.max_position_embeddings, config.hidden_size)
+            self.register_buffer("sinusoid", table, persistent=False)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def positions(self, seq_len: int) -> Tensor:
+        if self.position is not None:
+            return self.position.weight[:seq_len]  # (T, C)
+        return self.sinusoid[:seq_len]  # (T, C)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.shape[1]
+        # Every input is a single segment, so token type 0 is added to every position.
+        x = self.word(input_ids) + self.positions(T) + self.token_type.weight[0]  # (B, T, C)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head scaled dot-product attention; padded keys get no weight."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.n_head = config.num_heads
+        self.scale = 1.0 / math.sqrt(config.head_size)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attn_dropout = nn.Dropout(config.dropout)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        return x.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.split_heads(self.query(x)), self.split_heads(self.key(x)), self.split_heads(self.value(x))
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T)
+        # A very negative bias rather than -inf: exp() gives exactly 0 for padded keys, and a row
+        # with no real key (never served: lengths >= 1) would not turn into NaN.
+        bias = (~key_mask).to(x.dtype) * torch.finfo(x.dtype).min  # (B, T)
+        scores = scores + bias[:, None, None, :]  # (B, nh, T, T)
+        weights = self.attn_dropout(F.softmax(scores, dim=-1))
+        y = weights @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.out(y)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Linear -> GELU (erf) -> Linear."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = nn.GELU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN block, as BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.attention = SelfAttention(config)
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = FeedForward(config)
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
+        x = self.attn_norm(x + self.dropout(self.attention(x, key_mask)))
+        return self.ffn_norm(x + self.dropout(self.ffn(x)))
+
+
+def pool(hidden: Tensor, mask: Tensor, lengths: Tensor, kind: str) -> Tensor:
+    """(B, T, C) token states -> (B, C): mean over real tokens, or the first ([CLS]) token."""
+    if kind == "cls":
+        return hidden[:, 0]
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    total = (hidden * weights).sum(dim=1)  # (B, C)
+    return total / lengths.clamp(min=1).unsqueeze(1).to(hidden.dtype)
+
+
+class Encoder(nn.Module):
+    """Token ids and per-row lengths in; one pooled vector per row out."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+
+    def token_states(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """(B, T) ids, (B,) lengths -> (B, T, C) contextual token states."""
+        mask = padding_mask(lengths, input_ids.shape[1])  # (B, T)
+        x = self.embeddings(input_ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+    def forward(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """(B, T) ids, (B,) lengths -> (B, C) pooled, not normalised."""
+        hidden = self.token_states(input_ids, lengths)
+        mask = padding_mask(lengths, input_ids.shape[1])
+        return pool(hidden, mask, lengths, self.config.pooling)
+
+    def embed(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """Pooled and, if the config says so, L2-normalised: what the service returns."""
+        pooled = self(input_ids, lengths)
+        return F.normalize(pooled, p=2.0, dim=-1) if self.config.normalize else pooled
