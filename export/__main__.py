@@ -40,9 +40,18 @@ MANIFEST_VERSION = 1
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
-    p.add_argument("--weights", type=Path, help="Hugging Face BERT-family directory (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--sha256", help="expected sha256 of model.safetensors (checked for the default weights always)")
-    p.add_argument("--out", type=Path, default=Path("build/model"), help="model repository to write (default: build/model)")
+    p.add_argument(
+        "--weights", type=Path, help="Hugging Face BERT-family directory (default: packaged all-MiniLM-L6-v2)"
+    )
+    p.add_argument(
+        "--sha256", help="expected sha256 of model.safetensors (checked for the default weights always)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("build/model"),
+        help="model repository to write (default: build/model)",
+    )
     p.add_argument(
         "--data-dir",
         type=Path,

@@ -41,7 +41,7 @@ def export_onnx(encoder: Encoder) -> onnx.ModelProto:
         torch.onnx.export(
             ExportedEncoder(encoder).eval(),
             (ids, lengths),
-            buffer,
+            buffer,  # type: ignore[arg-type]
             dynamo=False,
             opset_version=OPSET,
             input_names=INPUT_NAMES,

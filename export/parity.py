@@ -68,8 +68,15 @@ class ParityReport:
     def to_dict(self) -> dict[str, object]:
         return {
             "inputs": self.inputs,
-            "thresholds": {"min_cosine": MIN_COSINE, "max_abs_diff": MAX_ABS_DIFF, "max_spearman_gap": MAX_SPEARMAN_GAP},
-            "checks": [{"name": c.name, "passed": c.passed, **c.figures, **({"note": c.note} if c.note else {})} for c in self.checks],
+            "thresholds": {
+                "min_cosine": MIN_COSINE,
+                "max_abs_diff": MAX_ABS_DIFF,
+                "max_spearman_gap": MAX_SPEARMAN_GAP,
+            },
+            "checks": [
+                {"name": c.name, "passed": c.passed, **c.figures, **({"note": c.note} if c.note else {})}
+                for c in self.checks
+            ],
         }
 
     def raise_on_failure(self) -> None:
@@ -115,6 +122,7 @@ def length_sorted(embed: Embedder) -> Embedder:
 
 def torch_embedder(encoder: Encoder, batch: int = BATCH) -> Embedder:
     assert not encoder.training, "parity needs the encoder in eval mode (dropout off)"
+
     def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         with torch.no_grad():
             return encoder.embed(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
@@ -196,14 +204,24 @@ def run_parity(
         checks.append(compare("1 pytorch vs sentence-transformers", ours[: len(rows)], want))
     else:
         want = ours[: len(rows)]
-        checks.append(Check("1 pytorch vs sentence-transformers", True, note="skipped: no reference for this config"))
-    checks.append(compare("2 onnx vs pytorch", np.concatenate([exported, mixed_edges]), np.concatenate([ours, ours[len(rows) : len(rows) + 2]])))
+        checks.append(
+            Check("1 pytorch vs sentence-transformers", True, note="skipped: no reference for this config")
+        )
+    checks.append(
+        compare(
+            "2 onnx vs pytorch",
+            np.concatenate([exported, mixed_edges]),
+            np.concatenate([ours, ours[len(rows) : len(rows) + 2]]),
+        )
+    )
     checks.append(batch_invariance(onnx_embed, all_rows))
     checks.append(_spearman_check(texts, exported[: len(rows)], want, pairs))
     return ParityReport(checks, len(all_rows))
 
 
-def _spearman_check(texts: list[str], exported: np.ndarray, want: np.ndarray, pairs: list[ScoredPair]) -> Check:
+def _spearman_check(
+    texts: list[str], exported: np.ndarray, want: np.ndarray, pairs: list[ScoredPair]
+) -> Check:
     name = "4 sts-b dev spearman (onnx vs ref)"
     if not pairs:
         return Check(name, True, note="skipped: no data directory given")

@@ -29,9 +29,7 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.max_seq_length > self.max_position_embeddings:
             raise ValueError(
                 f"max_seq_length {self.max_seq_length} exceeds "

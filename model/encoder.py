@@ -53,7 +53,8 @@ class Embeddings(nn.Module):
     def positions(self, seq_len: int) -> Tensor:
         if self.position is not None:
             return self.position.weight[:seq_len]  # (T, C)
-        return self.sinusoid[:seq_len]  # (T, C)
+        table: Tensor = self.sinusoid
+        return table[:seq_len]  # (T, C)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         T = input_ids.shape[1]
@@ -81,7 +82,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, key_mask: Tensor) -> Tensor:
         B, T, C = x.shape
-        q, k, v = self.split_heads(self.query(x)), self.split_heads(self.key(x)), self.split_heads(self.value(x))
+        q, k, v = (
+            self.split_heads(self.query(x)),
+            self.split_heads(self.key(x)),
+            self.split_heads(self.value(x)),
+        )
         scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, T)
         # A very negative bias rather than -inf: exp() gives exactly 0 for padded keys, and a row
         # with no real key (never served: lengths >= 1) would not turn into NaN.

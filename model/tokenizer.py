@@ -42,12 +42,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._truncating.get_vocab_size(with_added_tokens=True))
 
+    def encode_full(self, text: str) -> list[int]:
+        """All of a text's ids, however long (for reporting, never for the model)."""
+        return list(self._full.encode(text).ids)
+
     def encode(self, texts: list[str]) -> Tokenized:
         encodings = self._truncating.encode_batch(texts)
         ids = [e.ids for e in encodings]
         truncated = [bool(e.overflowing) for e in encodings]
         original = [
-            len(self._full.encode(text).ids) if cut else len(row)
+            len(self.encode_full(text)) if cut else len(row)
             for text, row, cut in zip(texts, ids, truncated, strict=True)
         ]
         return Tokenized(ids=ids, truncated=truncated, original_lengths=original)

@@ -30,9 +30,7 @@ REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json")
 # Present in BERT checkpoints, unused by a sentence encoder: the pooler feeds only BERT's
 # next-sentence head (sentence-transformers pools token states itself), and position_ids is a
 # buffer of arange(512) that the encoder rebuilds.
-UNUSED_KEYS = frozenset(
-    {"pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"}
-)
+UNUSED_KEYS = frozenset({"pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"})
 
 _LAYER_KEYS = {
     "attention.query": "attention.self.query",
@@ -113,9 +111,7 @@ def _check_directory(directory: Path) -> None:
         raise WeightsError(f"{directory}: not a directory")
     missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
     if missing:
-        raise WeightsError(
-            f"{directory}: not a BERT-family checkpoint (missing {', '.join(missing)})"
-        )
+        raise WeightsError(f"{directory}: not a BERT-family checkpoint (missing {', '.join(missing)})")
 
 
 def _pooling(directory: Path) -> str:
@@ -190,9 +186,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def map_state_dict(
-    tensors: dict[str, torch.Tensor], model: Encoder, path: Path
-) -> dict[str, torch.Tensor]:
+def map_state_dict(tensors: dict[str, torch.Tensor], model: Encoder, path: Path) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> the encoder's state dict, every key and shape checked."""
     mapping = key_map(model.config)
     missing = sorted(v for v in mapping.values() if v not in tensors)
@@ -214,18 +208,14 @@ def map_state_dict(
     return state
 
 
-def load_checkpoint(
-    directory: Path, expected_sha256: str | None = None
-) -> tuple[Encoder, Checkpoint]:
+def load_checkpoint(directory: Path, expected_sha256: str | None = None) -> tuple[Encoder, Checkpoint]:
     """An eval-mode Encoder carrying the checkpoint's weights, and what was loaded."""
     directory = Path(directory)
     _check_directory(directory)
     weights = directory / WEIGHTS_FILE
     digest = sha256_file(weights)
     if expected_sha256 is not None and digest != expected_sha256:
-        raise WeightsError(
-            f"{weights}: sha256 {digest} does not match the expected {expected_sha256}"
-        )
+        raise WeightsError(f"{weights}: sha256 {digest} does not match the expected {expected_sha256}")
     config = read_config(directory)
     model = Encoder(config)
     state = map_state_dict(_load_tensors(weights), model, weights)
@@ -239,9 +229,7 @@ def load_checkpoint(
     return model, Checkpoint(directory, model_id, digest, config)
 
 
-def save_checkpoint(
-    model: Encoder, tokenizer_file: Path, out: Path, model_id: str = "trained-here"
-) -> None:
+def save_checkpoint(model: Encoder, tokenizer_file: Path, out: Path, model_id: str = "trained-here") -> None:
     """Write the Hugging Face / sentence-transformers layout that ``load_checkpoint`` reads."""
     c = model.config
     out.mkdir(parents=True, exist_ok=True)
@@ -267,7 +255,9 @@ def save_checkpoint(
         "pad_token_id": c.pad_token_id,
     }
     _write_json(out / "config.json", hf)
-    _write_json(out / "sentence_bert_config.json", {"max_seq_length": c.max_seq_length, "do_lower_case": False})
+    _write_json(
+        out / "sentence_bert_config.json", {"max_seq_length": c.max_seq_length, "do_lower_case": False}
+    )
     pooling = {
         "word_embedding_dimension": c.hidden_size,
         "pooling_mode_cls_token": c.pooling == "cls",
@@ -280,7 +270,9 @@ def save_checkpoint(
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if c.normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
     _write_json(out / "modules.json", modules)
     if tokenizer_file.resolve() != (out / "tokenizer.json").resolve():
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")

@@ -1,0 +1,140 @@
+"""Client library over the generated stubs.
+
+Channels use round_robin over every address the target resolves to (`dns:///name:port` for a
+Kubernetes headless Service) and retry UNAVAILABLE (a replica draining or warming up) with backoff,
+through the gRPC service config, so a rolling restart costs the caller nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+SERVICE = "embedding.v1.EmbeddingService"
+
+
+def service_config(max_attempts: int = 5) -> str:
+    policy = {
+        "maxAttempts": max_attempts,
+        "initialBackoff": "0.05s",
+        "maxBackoff": "2s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [{"name": [{"service": SERVICE}], "retryPolicy": policy}],
+        }
+    )
+
+
+def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.service_config", service_config()),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+def embed_request(
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    normalize: bool = True,
+    truncate: bool = True,
+) -> pb.EmbedRequest:
+    return pb.EmbedRequest(
+        texts=list(texts or []),
+        token_ids=[pb.TokenIds(ids=list(ids)) for ids in token_ids or []],
+        normalize=normalize,
+        truncate=truncate,
+        format=pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
+    )
+
+
+def to_array(response: pb.EmbedResponse) -> np.ndarray:
+    """(N, D) float32 from a response in either format."""
+    rows = [
+        np.frombuffer(e.float32_le, dtype="<f4") if e.float32_le else np.asarray(e.values, dtype=np.float32)
+        for e in response.embeddings
+    ]
+    return np.stack(rows) if rows else np.zeros((0, response.dimensions), dtype=np.float32)
+
+
+class EmbeddingClient:
+    """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0) -> None:
+        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
+        self.timeout = timeout
+
+    def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        return self.stub.Embed(request, timeout=self.timeout)
+
+    def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+        return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
+
+    def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
+        return to_array(self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
+
+    def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
+        request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
+        return self.stub.Tokenize(request, timeout=self.timeout)
+
+    def info(self) -> pb.InfoResponse:
+        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> EmbeddingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEmbeddingClient:
+    """asyncio client. `async with AsyncEmbeddingClient() as c: vectors = await c.embed([...])`."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0) -> None:
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+        self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        return await self.stub.Embed(request, timeout=self.timeout)
+
+    async def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+        return to_array(
+            await self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate))
+        )
+
+    async def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
+        return to_array(await self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
+
+    async def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
+        request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
+        return await self.stub.Tokenize(request, timeout=self.timeout)
+
+    async def info(self) -> pb.InfoResponse:
+        return await self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncEmbeddingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,140 @@
+"""The model run: an ONNX Runtime session that sees only ready batches (ids + lengths).
+
+CUDA execution provider first where a GPU is usable, CPU fallback. The provider really in use comes
+from `session.get_providers()`: onnxruntime-gpu lists CUDA as *available* even where its libraries
+cannot load, and then silently runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from server.config import Device
+
+log = logging.getLogger(__name__)
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+class ModelRepositoryError(Exception):
+    """The model directory is missing, incomplete or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class ModelRepository:
+    directory: Path
+    manifest: dict[str, Any]
+
+    @property
+    def max_input_tokens(self) -> int:
+        return int(self.manifest["max_input_tokens"])
+
+    @property
+    def dimensions(self) -> int:
+        return int(self.manifest["dimensions"])
+
+    def graph_for(self, provider: str) -> dict[str, Any]:
+        graphs = self.manifest["graphs"]
+        chosen = next((g for g in graphs if g["provider"] == provider), graphs[0])
+        return dict(chosen)
+
+
+def open_repository(directory: Path) -> ModelRepository:
+    """Read manifest.json and verify the ONNX file's checksum against it."""
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise ModelRepositoryError(f"{path}: missing; build the model repository with `make model`")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    for graph in manifest["graphs"]:
+        if not (directory / graph["file"]).is_file():
+            raise ModelRepositoryError(f"{directory / graph['file']}: missing")
+    _verify_checksum(directory / "model.onnx", manifest["onnx_sha256"])
+    return ModelRepository(directory, manifest)
+
+
+def _verify_checksum(path: Path, expected: str) -> None:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ModelRepositoryError(f"{path}: sha256 {digest.hexdigest()} does not match manifest {expected}")
+
+
+def gpu_present() -> bool:
+    """An NVIDIA driver is loaded. onnxruntime-gpu lists CUDA as available on any machine."""
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
+
+
+def wanted_providers(device: Device) -> list[str]:
+    if device == "cpu":
+        return [CPU]
+    if device == "cuda" or (CUDA in ort.get_available_providers() and gpu_present()):
+        return [CUDA, CPU]
+    return [CPU]
+
+
+def _session_options(threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+class OnnxBackend:
+    """`run(ids, lengths) -> (normalised, pooled)`, called from one worker thread at a time."""
+
+    def __init__(self, repo: ModelRepository, device: Device, threads: int) -> None:
+        started = time.perf_counter()
+        providers = wanted_providers(device)
+        graph = repo.graph_for(providers[0])
+        self.session = ort.InferenceSession(
+            str(repo.directory / graph["file"]),
+            _session_options(threads),
+            providers=providers,
+            disabled_optimizers=list(graph.get("disabled_optimizers", [])),
+        )
+        self.provider = self.session.get_providers()[0]
+        if device == "cuda" and self.provider != CUDA:
+            raise ModelRepositoryError("--device cuda: the CUDA execution provider could not be loaded")
+        if providers[0] == CUDA and self.provider != CUDA:
+            log.warning("a GPU is present but CUDA could not be loaded: falling back to %s", self.provider)
+        self.precision = str(graph.get("precision", "fp32"))
+        self.load_seconds = time.perf_counter() - started
+        log.info(
+            "model session on %s (%s, %s) in %.2fs",
+            self.provider,
+            graph["file"],
+            self.precision,
+            self.load_seconds,
+        )
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert ids.dtype == np.int64 and lengths.dtype == np.int64 and ids.shape[0] == lengths.shape[0]
+        if self.provider == CUDA:
+            return self._run_bound(ids, lengths)
+        normalised, pooled = self.session.run(None, {"input_ids": ids, "lengths": lengths})
+        return np.asarray(normalised), np.asarray(pooled)
+
+    def _run_bound(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """I/O binding: inputs copied to the GPU once, outputs left there and fetched together."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("lengths", lengths)
+        binding.bind_output("embeddings", "cuda")
+        binding.bind_output("pooled", "cuda")
+        self.session.run_with_iobinding(binding)
+        normalised, pooled = binding.copy_outputs_to_cpu()
+        return np.asarray(normalised), np.asarray(pooled)

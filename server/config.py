@@ -1,0 +1,107 @@
+"""Server settings: every flag has an environment variable; built once at start-up, frozen.
+
+Nothing else in the server reads the environment. Defaults come from measurements on the 2-core CI
+machine (see README, "Settings"): length-sorted batches of 16-32 rows ran fastest on the CPU provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Device = Literal["auto", "cuda", "cpu"]
+ENV_PREFIX = "EMBED_"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    address: str = "0.0.0.0:50051"
+    model_dir: Path = Path("build/model")
+    device: Device = "auto"
+    # Padded tokens per batch (rows x longest row): bounds one model run's work and memory.
+    max_batch_tokens: int = 1024
+    max_batch_size: int = 32
+    # How long the first input of a batch may wait for company before its batch runs anyway.
+    max_queue_delay_ms: float = 2.0
+    max_inputs_per_request: int = 256
+    max_text_chars: int = 100_000
+    # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
+    queue_limit: int = 4096
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_stream_in_flight: int = 64
+    max_concurrent_streams: int = 100
+    # ONNX Runtime intra-op threads; 0 lets it use every core.
+    threads: int = 0
+    drain_timeout_s: float = 20.0
+    max_connection_age_s: float = 300.0
+    metrics_address: str = "0.0.0.0:9464"
+    log_level: str = "INFO"
+    # Test-only: makes the batch holding this exact text fail inside the backend.
+    fault_text: str = ""
+
+    def __post_init__(self) -> None:
+        positive = ("max_batch_tokens", "max_batch_size", "max_inputs_per_request", "queue_limit")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
+
+    def limits(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("max_")}
+
+
+_HELP = {
+    "address": "gRPC listen address host:port (port 0 picks a free port)",
+    "model_dir": "model repository written by `python -m export`",
+    "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
+    "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
+    "max_batch_size": "rows per batch",
+    "max_queue_delay_ms": "longest wait for a batch to fill before it runs",
+    "max_inputs_per_request": "inputs in one Embed/Tokenize request",
+    "max_text_chars": "characters in one text, checked before tokenization",
+    "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
+    "max_message_bytes": "largest gRPC message received or sent",
+    "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
+    "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",
+    "threads": "ONNX Runtime intra-op threads (0: all cores)",
+    "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
+    "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
+    "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "fault_text": "test only: a batch holding this exact text fails in the backend",
+}
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m server", description="Batched gRPC embedding server.")
+    defaults = ServerConfig()
+    for f in dataclasses.fields(ServerConfig):
+        default = getattr(defaults, f.name)
+        kind = type(default)
+        env = env_name(f.name)
+        value = kind(environ[env]) if env in environ else default
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=value,
+            help=f"{_HELP[f.name]} [env {env}, default {default}]",
+        )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerConfig:
+    """Flags override environment variables, which override the defaults."""
+    args = build_parser(environ).parse_args(argv)
+    try:
+        return ServerConfig(**vars(args))
+    except ValueError as e:
+        raise SystemExit(f"server: error: {e}") from e

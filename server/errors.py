@@ -1,0 +1,37 @@
+"""The service's errors. Each carries the gRPC status it maps to; service.py maps them in one place.
+
+ServiceError
+ +-- InvalidInput       INVALID_ARGUMENT    the request breaks a limit; message names it and the value
+ +-- Overloaded         RESOURCE_EXHAUSTED  the queue is full; retry later
+ +-- NotReady           UNAVAILABLE         warming up or draining; retry (on another replica)
+ +-- Dropped            DEADLINE_EXCEEDED   the deadline passed while the input waited in the queue
+ +-- BackendFailure     INTERNAL            the model run of its batch failed
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidInput(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Overloaded(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotReady(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Dropped(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class BackendFailure(ServiceError):
+    code = grpc.StatusCode.INTERNAL

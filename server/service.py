@@ -1,0 +1,220 @@
+"""The gRPC servicer, kept thin: protobuf -> validated rows -> batcher -> protobuf.
+
+Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
+a message that names the limit and the value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from server.batcher import Batcher, Result
+from server.errors import InvalidInput, NotReady, ServiceError
+from server.metrics import Metrics
+from server.tokenization import Prepared, RequestTokenizer, Usage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Readiness:
+    """Set once the model is warm; cleared when draining."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.reason = "the model is warming up"
+
+
+class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
+    def __init__(
+        self,
+        tokenizer: RequestTokenizer,
+        batcher: Batcher,
+        info: pb.InfoResponse,
+        metrics: Metrics,
+        readiness: Readiness,
+        max_stream_in_flight: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.batcher = batcher
+        self.info = info
+        self.metrics = metrics
+        self.readiness = readiness
+        self.max_stream_in_flight = max_stream_in_flight
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        return await self._serve("Embed", context, lambda: self._embed(request, _deadline(context)))
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        return await self._serve("Tokenize", context, lambda: self._tokenize(request))
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        async def info() -> pb.InfoResponse:
+            return self.info
+
+        return await self._serve("Info", context, info)
+
+    async def EmbedStream(
+        self, request_iterator: AsyncIterator[pb.EmbedStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EmbedStreamResponse]:
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            async for response in self._stream(request_iterator, _deadline(context)):
+                yield response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._record("EmbedStream", code, started)
+
+    async def _serve(
+        self, method: str, context: grpc.aio.ServicerContext, handler: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run one unary call: the single place where errors become gRPC statuses."""
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            return await handler()
+        except ServiceError as e:
+            code = e.code
+            await context.abort(e.code, str(e))
+            raise  # unreachable: abort raises
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            log.exception("%s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            await context.abort(code, "internal error; see the server log")
+            raise
+        finally:
+            self._record(method, code, started)
+
+    def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(method, code.name).inc()
+        self.metrics.request_duration.labels(method).observe(time.perf_counter() - started)
+
+    async def _prepare(self, request: pb.EmbedRequest) -> Prepared:
+        truncate = request.truncate if request.HasField("truncate") else True
+        if request.texts and request.token_ids:
+            raise InvalidInput("set either `texts` or `token_ids`, not both")
+        if request.token_ids:
+            return self.tokenizer.from_ids([list(t.ids) for t in request.token_ids], truncate)
+        self.tokenizer.check_count(len(request.texts))
+        started = time.perf_counter()
+        # Tokenizing a 100 kB text takes milliseconds: off the event loop, which serves everyone.
+        prepared = await asyncio.to_thread(self.tokenizer.from_texts, list(request.texts), truncate)
+        self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+        return prepared
+
+    async def _embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
+        started = time.perf_counter()
+        if not self.readiness.ready:
+            raise NotReady(f"not serving: {self.readiness.reason}; retry")
+        prepared = await self._prepare(request)
+        self.metrics.truncated.inc(sum(u.truncated for u in prepared.usage))
+        results = await self.batcher.submit(prepared.rows, deadline)
+        normalize = request.normalize if request.HasField("normalize") else True
+        return _response(results, prepared.usage, normalize, request.format, started)
+
+    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        truncate = request.truncate if request.HasField("truncate") else True
+        self.tokenizer.check_count(len(request.texts))
+        prepared = await asyncio.to_thread(self.tokenizer.from_texts, list(request.texts), True)
+        tokens = []
+        for text, row, u in zip(request.texts, prepared.rows, prepared.usage, strict=True):
+            if u.truncated and not truncate:
+                row = await asyncio.to_thread(self.tokenizer.tokenizer.encode_full, text)
+                u = Usage(len(row), False, len(row))
+            tokens.append(pb.Tokens(ids=row, usage=_usage(u)))
+        return pb.TokenizeResponse(tokens=tokens)
+
+    async def _stream(
+        self, requests: AsyncIterator[pb.EmbedStreamRequest], deadline: float | None
+    ) -> AsyncIterator[pb.EmbedStreamResponse]:
+        """Items run concurrently and are answered as they finish; at most N unanswered at once."""
+        slots = asyncio.Semaphore(self.max_stream_in_flight)
+        answers: asyncio.Queue[pb.EmbedStreamResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def answer(item: pb.EmbedStreamRequest) -> None:
+            try:
+                response = await self._embed(item.request, deadline)
+                await answers.put(pb.EmbedStreamResponse(id=item.id, response=response))
+            except ServiceError as e:
+                error = pb.Error(code=e.code.value[0], message=str(e))
+                await answers.put(pb.EmbedStreamResponse(id=item.id, error=error))
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            slots.release()
+
+        async def read() -> None:
+            try:
+                async for item in requests:
+                    await slots.acquire()  # stop reading while the stream has N items unanswered
+                    task = asyncio.create_task(answer(item))
+                    tasks.add(task)
+                    task.add_done_callback(finished)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                await answers.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+            await reader  # re-raises a failure of the reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _usage(u: Usage) -> pb.InputUsage:
+    return pb.InputUsage(tokens=u.tokens, truncated=u.truncated, original_tokens=u.original_tokens)
+
+
+def _response(
+    results: list[Result], usage: list[Usage], normalize: bool, fmt: int, started: float
+) -> pb.EmbedResponse:
+    as_bytes = fmt == pb.EMBEDDING_FORMAT_FLOAT32_BYTES
+    embeddings = []
+    for r, u in zip(results, usage, strict=True):
+        vector = r.embedding if normalize else r.pooled
+        if as_bytes:
+            e = pb.Embedding(float32_le=np.asarray(vector, dtype="<f4").tobytes(), usage=_usage(u))
+        else:
+            e = pb.Embedding(values=vector.tolist(), usage=_usage(u))
+        embeddings.append(e)
+    runs = {r.batch_id: r.run_s for r in results}
+    timing = pb.Timing(
+        queue_us=int(max(r.queue_s for r in results) * 1e6),
+        inference_us=int(sum(runs.values()) * 1e6),
+        total_us=int((time.perf_counter() - started) * 1e6),
+    )
+    dims = len(results[0].embedding)
+    return pb.EmbedResponse(
+        embeddings=embeddings, dimensions=dims, total_tokens=sum(u.tokens for u in usage), timing=timing
+    )

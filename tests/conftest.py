@@ -1,0 +1,46 @@
+"""Fixtures shared by every test file: where the model repository and data are, and the real weights.
+
+The environment is read here and nowhere else in the tests: EMBED_MODEL_DIR (a built model repository,
+default build/model) and EMBED_DATA_DIR (holding stsbenchmark/; optional).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from model.encoder import Encoder
+from model.tokenizer import Tokenizer
+from model.weights import DEFAULT_SHA256, Checkpoint, default_weights_dir, load_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The model repository `make model` builds; the tests never build it themselves."""
+    path = Path(os.environ.get("EMBED_MODEL_DIR") or REPO_ROOT / "build" / "model")
+    if not (path / "manifest.json").is_file():
+        pytest.fail(f"{path}: no model repository (manifest.json missing); run `make model`", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path | None:
+    """The directory holding stsbenchmark/, or None: every test must also pass without it."""
+    value = os.environ.get("EMBED_DATA_DIR")
+    return Path(value) if value else None
+
+
+@pytest.fixture(scope="session")
+def encoder_and_checkpoint() -> tuple[Encoder, Checkpoint]:
+    """The packaged all-MiniLM-L6-v2, checksum verified. Shared: tests must not modify it."""
+    return load_checkpoint(default_weights_dir(), DEFAULT_SHA256)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(encoder_and_checkpoint: tuple[Encoder, Checkpoint]) -> Tokenizer:
+    _, checkpoint = encoder_and_checkpoint
+    return Tokenizer(checkpoint.directory / "tokenizer.json", checkpoint.config.max_seq_length)
