@@ -53,7 +53,7 @@ class Embeddings(nn.Module):
     def positions(self, seq_len: int) -> Tensor:
         if self.position is not None:
             return self.position.weight[:seq_len]  # (T, C)
-        table: Tensor = self.sinusoid
+        table: Tensor = self.sinusoid  # type: ignore[assignment]
         return table[:seq_len]  # (T, C)
 
     def forward(self, input_ids: Tensor) -> Tensor:

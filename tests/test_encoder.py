@@ -81,7 +81,8 @@ def test_rows_in_a_mixed_length_batch_match_each_row_alone(encoder, batch):
     ids, lengths = batch
     with torch.no_grad():
         together = encoder.embed(ids, lengths)
-        alone = torch.cat([encoder.embed(ids[i : i + 1, : lengths[i]], lengths[i : i + 1]) for i in range(len(ids))])
+        rows = [(ids[i : i + 1, :n], lengths[i : i + 1]) for i, n in enumerate(lengths.tolist())]
+        alone = torch.cat([encoder.embed(row, length) for row, length in rows])
     assert torch.allclose(together, alone, rtol=0, atol=1e-5)
 
 

@@ -1,0 +1,96 @@
+"""A real server in a child process on loopback ports chosen by the OS, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE_NAME = "embedding.v1.EmbeddingService"
+_GRPC_PORT = re.compile(r"serving .* on port (\d+)")
+_METRICS_PORT = re.compile(r"metrics on :(\d+)/metrics")
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("EMBED_MODEL_DIR", ROOT / "build" / "model"))
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    port: int | None = None
+    metrics_port: int | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if m := _METRICS_PORT.search(line):
+                self.metrics_port = int(m.group(1))
+            if m := _GRPC_PORT.search(line):
+                self.port = int(m.group(1))
+                self._ready.set()
+        self._ready.set()  # the process ended: stop waiting
+
+    def wait_serving(self, timeout: float = 120.0) -> ServerProcess:
+        if not self._ready.wait(timeout) or self.port is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines[-30:]))
+        return self
+
+    def health(self, service: str = SERVICE_NAME) -> int:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_server(*args: str, metrics: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `python -m server` on 127.0.0.1:0 with the built model; call wait_serving() to block."""
+    cmd = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--model-dir", str(model_dir())]
+    cmd += ["--metrics-address", "127.0.0.1:0" if metrics else ""]
+    cmd += list(args)
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=environment)
+    server = ServerProcess(proc)
+    threading.Thread(target=server._pump, daemon=True).start()
+    return server
+
+
+def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return True
+        time.sleep(interval)
+    return False
