@@ -14,7 +14,14 @@ import numpy as np
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from client.client import DEFAULT_ADDRESS, AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from client.client import (
+    DEFAULT_ADDRESS,
+    AsyncEmbeddingClient,
+    EmbeddingClient,
+    Security,
+    embed_request,
+    to_array,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,6 +32,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"server address [env EMBED_ADDRESS, default {DEFAULT_ADDRESS}]",
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.add_argument(
+        "--ca-cert",
+        type=Path,
+        help="PEM CA bundle: connect with TLS [env EMBED_CA_CERT]",
+        default=os.environ.get("EMBED_CA_CERT") or None,
+    )
+    p.add_argument("--client-cert", type=Path, help="PEM client certificate for mutual TLS")
+    p.add_argument("--client-key", type=Path, help="PEM key of --client-cert")
+    p.add_argument("--server-name", help="name to check the server certificate against")
+    p.add_argument("--token-file", type=Path, help="file with the bearer token [or env EMBED_TOKEN]")
     sub = p.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", help="embed texts given as arguments; JSON out")
     embed.add_argument("texts", nargs="+")
@@ -41,8 +58,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def security(args: argparse.Namespace) -> Security:
+    token = (
+        args.token_file.read_text(encoding="utf-8").strip()
+        if args.token_file
+        else os.environ.get("EMBED_TOKEN")
+    )
+    return Security(args.ca_cert, args.client_cert, args.client_key, token or None, args.server_name)
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
-    with EmbeddingClient(args.address, args.timeout) as c:
+    with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         request = embed_request(args.texts, normalize=not args.no_normalize, truncate=not args.no_truncate)
         response = c.embed_response(request)
     usage = [MessageToDict(e.usage, always_print_fields_with_no_presence=True) for e in response.embeddings]
@@ -61,7 +87,7 @@ async def embed_file(args: argparse.Namespace) -> np.ndarray:
     chunks = [lines[i : i + args.batch_size] for i in range(0, len(lines), args.batch_size)]
     results: list[np.ndarray | None] = [None] * len(chunks)
     slots = asyncio.Semaphore(args.concurrency)
-    async with AsyncEmbeddingClient(args.address, args.timeout) as c:
+    async with AsyncEmbeddingClient(args.address, args.timeout, security(args)) as c:
         with tqdm(total=len(lines), unit="text", file=sys.stderr) as bar:
 
             async def one(i: int) -> None:
@@ -84,7 +110,7 @@ def cmd_embed_file(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with EmbeddingClient(args.address, args.timeout) as c:
+    with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         info = c.info()
     print(json.dumps(MessageToDict(info, always_print_fields_with_no_presence=True), indent=2))
     return 0

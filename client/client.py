@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -46,6 +48,31 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
     ]
 
 
+@dataclass(frozen=True)
+class Security:
+    """TLS and/or a bearer token. With `ca_cert` the channel uses TLS; client cert+key add mutual TLS."""
+
+    ca_cert: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    token: str | None = None
+    server_name: str | None = None  # check the certificate against this name instead of the address
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.ca_cert is None:
+            return None
+        key = self.client_key.read_bytes() if self.client_key else None
+        chain = self.client_cert.read_bytes() if self.client_cert else None
+        return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def options(self) -> list[tuple[str, Any]]:
+        override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return channel_options() + override
+
+
 def embed_request(
     texts: Sequence[str] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
@@ -73,13 +100,21 @@ def to_array(response: pb.EmbedResponse) -> np.ndarray:
 class EmbeddingClient:
     """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0) -> None:
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
+    ) -> None:
+        security = security or Security()
+        credentials = security.credentials()
+        if credentials is None:
+            self.channel = grpc.insecure_channel(address, options=security.options())
+        else:
+            self.channel = grpc.secure_channel(address, credentials, options=security.options())
         self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
         self.timeout = timeout
+        self.metadata = security.metadata()
 
     def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return self.stub.Embed(request, timeout=self.timeout)
+        return self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
 
     def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
         return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
@@ -89,10 +124,10 @@ class EmbeddingClient:
 
     def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
         request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
-        return self.stub.Tokenize(request, timeout=self.timeout)
+        return self.stub.Tokenize(request, timeout=self.timeout, metadata=self.metadata)
 
     def info(self) -> pb.InfoResponse:
-        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -107,13 +142,21 @@ class EmbeddingClient:
 class AsyncEmbeddingClient:
     """asyncio client. `async with AsyncEmbeddingClient() as c: vectors = await c.embed([...])`."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options())
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
+    ) -> None:
+        security = security or Security()
+        credentials = security.credentials()
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=security.options())
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=security.options())
         self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
         self.timeout = timeout
+        self.metadata = security.metadata()
 
     async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return await self.stub.Embed(request, timeout=self.timeout)
+        return await self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
 
     async def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
         return to_array(
@@ -125,10 +168,10 @@ class AsyncEmbeddingClient:
 
     async def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
         request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
-        return await self.stub.Tokenize(request, timeout=self.timeout)
+        return await self.stub.Tokenize(request, timeout=self.timeout, metadata=self.metadata)
 
     async def info(self) -> pb.InfoResponse:
-        return await self.stub.Info(pb.InfoRequest(), timeout=self.timeout)
+        return await self.stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

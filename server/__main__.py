@@ -9,6 +9,7 @@ import sys
 from server.app import configure_process, serve
 from server.backend import ModelRepositoryError
 from server.config import load_config
+from server.security import SecurityConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_process(config)
     try:
         asyncio.run(serve(config))
-    except (ModelRepositoryError, ValueError, OSError) as e:
+    except (ModelRepositoryError, SecurityConfigError, ValueError, OSError) as e:
         print(f"server: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -14,18 +14,19 @@ import grpc
 import numpy as np
 import onnxruntime
 import tokenizers
+from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from model.tokenizer import Tokenizer
 from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from server import __version__
 from server.backend import ModelRepository, OnnxBackend, open_repository
 from server.batcher import Batcher, BatchLimits, RunFn
 from server.config import ServerConfig
 from server.health import SERVICE_NAME, new_health, set_serving
 from server.metrics import Metrics, serve_metrics
-from server.service import EmbeddingService, Readiness
+from server.security import BearerAuth, load_token, server_credentials
+from server.service import EmbeddingService, Readiness, register
 from server.tokenization import InputLimits, RequestTokenizer
 
 log = logging.getLogger(__name__)
@@ -134,15 +135,19 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
     service = EmbeddingService(
         request_tokenizer, batcher, info, metrics, readiness, config.max_stream_in_flight
     )
-    server = grpc.aio.server(options=grpc_options(config))
-    pb_grpc.add_EmbeddingServiceServicer_to_server(service, server)
+    token = load_token(config.auth_token, config.auth_token_file)
+    interceptors = [BearerAuth(token, metrics)] if token else []
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
+    register(service, server)
     health = new_health()
-    from grpc_health.v1 import health_pb2_grpc
-
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(config.address)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if credentials is None:
+        port = server.add_insecure_port(config.address)
+    else:
+        port = server.add_secure_port(config.address, credentials)
     metrics.model.info(
         {
             "model_id": info.model_id,

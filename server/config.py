@@ -40,6 +40,12 @@ class ServerConfig:
     max_connection_age_s: float = 300.0
     metrics_address: str = "0.0.0.0:9464"
     log_level: str = "INFO"
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Never printed: repr=False keeps it out of any log of the config.
+    auth_token: str = dataclasses.field(default="", repr=False)
+    auth_token_file: str = ""
     # Test-only: makes the batch holding this exact text fail inside the backend.
     fault_text: str = ""
 
@@ -73,6 +79,11 @@ _HELP = {
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "tls_cert": "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
+    "tls_key": "PEM private key for --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+    "auth_token": "require `authorization: Bearer <token>` on embedding calls (health stays open)",
+    "auth_token_file": "file holding the bearer token (preferred over the env var)",
     "fault_text": "test only: a batch holding this exact text fails in the backend",
 }
 

@@ -10,10 +10,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
@@ -24,6 +25,30 @@ from server.tokenization import Prepared, RequestTokenizer, Usage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Undecodable:
+    """What a request that is not valid protobuf (e.g. invalid UTF-8 in a string) turns into."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.reason = f"the request is not a valid {type_name}: {error}"
+
+
+def lenient(message: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that turns undecodable bytes into INVALID_ARGUMENT, not INTERNAL."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Undecodable(message.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def _check_decoded(request: object) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidInput(request.reason)
 
 
 class Readiness:
@@ -52,18 +77,18 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.max_stream_in_flight = max_stream_in_flight
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        return await self._serve("Embed", context, lambda: self._embed(request, _deadline(context)))
+        return await self._serve("Embed", request, context, lambda: self._embed(request, _deadline(context)))
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return await self._serve("Tokenize", context, lambda: self._tokenize(request))
+        return await self._serve("Tokenize", request, context, lambda: self._tokenize(request))
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async def info() -> pb.InfoResponse:
             return self.info
 
-        return await self._serve("Info", context, info)
+        return await self._serve("Info", request, context, info)
 
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedStreamRequest], context: grpc.aio.ServicerContext
@@ -81,13 +106,18 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             self._record("EmbedStream", code, started)
 
     async def _serve(
-        self, method: str, context: grpc.aio.ServicerContext, handler: Callable[[], Awaitable[T]]
+        self,
+        method: str,
+        request: object,
+        context: grpc.aio.ServicerContext,
+        handler: Callable[[], Awaitable[T]],
     ) -> T:
         """Run one unary call: the single place where errors become gRPC statuses."""
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
         try:
+            _check_decoded(request)
             return await handler()
         except ServiceError as e:
             code = e.code
@@ -154,11 +184,13 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
         async def answer(item: pb.EmbedStreamRequest) -> None:
             try:
+                _check_decoded(item)
                 response = await self._embed(item.request, deadline)
                 await answers.put(pb.EmbedStreamResponse(id=item.id, response=response))
             except ServiceError as e:
                 error = pb.Error(code=e.code.value[0], message=str(e))
-                await answers.put(pb.EmbedStreamResponse(id=item.id, error=error))
+                item_id = item.id if isinstance(item, pb.EmbedStreamRequest) else ""
+                await answers.put(pb.EmbedStreamResponse(id=item_id, error=error))
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -185,6 +217,27 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
+    """Add the service with lenient request parsing (the generated helper would answer INTERNAL)."""
+    handlers = {
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            service.Embed, lenient(pb.EmbedRequest), pb.EmbedResponse.SerializeToString
+        ),
+        "EmbedStream": grpc.stream_stream_rpc_method_handler(
+            service.EmbedStream, lenient(pb.EmbedStreamRequest), pb.EmbedStreamResponse.SerializeToString
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, lenient(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString
+        ),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, lenient(pb.InfoRequest), pb.InfoResponse.SerializeToString
+        ),
+    }
+    name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
