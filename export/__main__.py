@@ -22,9 +22,9 @@ import tokenizers
 import torch
 
 from export.onnx import IR_VERSION, OPSET, export_onnx, save
-from export.optimize import cpu_session, graph_plan
-from export.parity import ParityError, run_parity
-from model.data import DataError
+from export.optimize import FP32_FILE, INT8_FILE, cpu_session, graph_plan, quantize_int8
+from export.parity import ParityError, ParityReport, run_int8_gate, run_parity
+from model.data import DataError, read_sts, sts_path
 from model.tokenizer import Tokenizer
 from model.weights import (
     DEFAULT_SHA256,
@@ -36,6 +36,7 @@ from model.weights import (
 )
 
 MANIFEST_VERSION = 1
+CALIBRATION_SENTENCES = 800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,10 +60,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="directory holding stsbenchmark/ for the parity gate [env EMBED_DATA_DIR]; "
         "without it parity runs on sentences the project carries",
     )
+    p.add_argument(
+        "--no-int8",
+        action="store_true",
+        help="skip the opt-in int8 graph (built only with a data directory: it is calibrated on STS-B train)",
+    )
     return p.parse_args(argv)
 
 
-def manifest(ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any]) -> dict[str, Any]:
+def manifest(
+    ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any], int8: dict[str, Any] | None
+) -> dict[str, Any]:
     c = ckpt.config
     return {
         "manifest_version": MANIFEST_VERSION,
@@ -79,7 +87,10 @@ def manifest(ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any]) -> dict[
         "ir_version": IR_VERSION,
         "inputs": {"input_ids": "int64 [batch, sequence]", "lengths": "int64 [batch]"},
         "outputs": {"embeddings": "float32 [batch, dim], L2-normalised", "pooled": "float32 [batch, dim]"},
-        "graphs": graph_plan(),
+        "graphs": [
+            {**g, "sha256": sha256_file(onnx_path.parent / str(g["file"]))}
+            for g in graph_plan(int8 is not None)
+        ],
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -88,21 +99,39 @@ def manifest(ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any]) -> dict[
             "tokenizers": tokenizers.__version__,
         },
         "parity": parity,
+        "parity_int8": int8 or {"skipped": "int8 is calibrated on STS-B train: give --data-dir"},
     }
 
 
-def build(weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None) -> None:
+def build(
+    weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
+) -> None:
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
     tokenizer = Tokenizer(weights / "tokenizer.json", ckpt.config.max_seq_length)
-    onnx_path = staging / "model.onnx"
+    onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
     shutil.copyfile(weights / "tokenizer.json", staging / "tokenizer.json")
     reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())
     report.raise_on_failure()
-    text = json.dumps(manifest(ckpt, onnx_path, report.to_dict()), indent=2, sort_keys=True)
+    int8_report = build_int8(staging, tokenizer, data_dir) if int8 and data_dir is not None else None
+    figures = int8_report.to_dict() if int8_report else None
+    text = json.dumps(manifest(ckpt, onnx_path, report.to_dict(), figures), indent=2, sort_keys=True)
     (staging / "manifest.json").write_text(text + "\n", encoding="utf-8")
+
+
+def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path) -> ParityReport:
+    """Static int8, calibrated on STS-B train sentences (never dev or test), behind its own gate."""
+    pairs = read_sts(sts_path(data_dir, "train"))
+    sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
+    quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)
+    report = run_int8_gate(
+        cpu_session(staging / FP32_FILE), cpu_session(staging / INT8_FILE), tokenizer, data_dir
+    )
+    print(report.table())
+    report.raise_on_failure()
+    return report
 
 
 def replace_dir(staging: Path, out: Path) -> None:
@@ -123,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
         staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
         try:
-            build(weights, expected, staging, args.data_dir)
+            build(weights, expected, staging, args.data_dir, not args.no_int8)
             replace_dir(staging, args.out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -10,28 +10,85 @@ switched off; every other ORT graph optimisation stays on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_static,
+)
+
+from model.tokenizer import pad_batch
 
 CPU_PROVIDER = "CPUExecutionProvider"
 CUDA_PROVIDER = "CUDAExecutionProvider"
 
 # Runtime fusions that make this model slower on the CPU provider (see the module docstring).
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+FP32_FILE = "model.onnx"
+INT8_FILE = "model.int8.onnx"
 
 
-def graph_plan() -> list[dict[str, object]]:
+def graph_plan(int8: bool) -> list[dict[str, object]]:
     """What the model repository ships for each provider, recorded in manifest.json."""
-    return [
+    plan: list[dict[str, object]] = [
         {
             "provider": CPU_PROVIDER,
-            "file": "model.onnx",
+            "file": FP32_FILE,
             "precision": "fp32",
             "graph": "plain TorchScript export; ORT runtime optimisations at load",
             "disabled_optimizers": list(CPU_DISABLED_OPTIMIZERS),
         },
     ]
+    if int8:
+        plan.append(
+            {
+                "provider": CPU_PROVIDER,
+                "file": INT8_FILE,
+                "precision": "int8",
+                "graph": "static QDQ int8 MatMuls, scales calibrated on STS-B train (opt-in)",
+                "disabled_optimizers": list(CPU_DISABLED_OPTIMIZERS),
+            }
+        )
+    return plan
+
+
+class _Batches(CalibrationDataReader):
+    def __init__(self, rows: list[list[int]], batch: int) -> None:
+        self._batches: Iterator[tuple[np.ndarray, np.ndarray]] = (
+            pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        ids_lengths = next(self._batches, None)
+        if ids_lengths is None:
+            return None
+        return {"input_ids": ids_lengths[0], "lengths": ids_lengths[1]}
+
+
+def quantize_int8(fp32: Path, out: Path, calibration_rows: list[list[int]], batch: int = 32) -> None:
+    """Static int8: per-channel int8 weights, uint8 activations with fixed calibrated scales.
+
+    Dynamic quantisation measured 2.4x the fp32 speed but computes activation scales per batch,
+    so a sentence's vector changed with its batch-mates (min cosine 0.965). Static scales are fixed
+    at export, so each row's arithmetic is the same alone or in any batch.
+    """
+    quantize_static(
+        str(fp32),
+        str(out),
+        _Batches(sorted(calibration_rows, key=len), batch),
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=["MatMul"],
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+    )
 
 
 def cpu_session(path: Path, threads: int = 0) -> ort.InferenceSession:

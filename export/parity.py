@@ -27,6 +27,9 @@ from model.tokenizer import Tokenizer, pad_batch
 MIN_COSINE = 0.99999
 MAX_ABS_DIFF = 1e-5
 MAX_SPEARMAN_GAP = 0.05
+# int8 is an opt-in precision with its own, looser gate.
+INT8_MAX_SPEARMAN_GAP = 0.5
+INT8_MIN_BATCH_COSINE = 0.999
 BATCH = 64
 CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
 
@@ -49,10 +52,19 @@ class Check:
         return f"{self.name}: {self.note or shown}"
 
 
+FP32_THRESHOLDS = {
+    "min_cosine": MIN_COSINE,
+    "max_abs_diff": MAX_ABS_DIFF,
+    "max_spearman_gap": MAX_SPEARMAN_GAP,
+}
+INT8_THRESHOLDS = {"min_batch_cosine": INT8_MIN_BATCH_COSINE, "max_spearman_gap": INT8_MAX_SPEARMAN_GAP}
+
+
 @dataclass(frozen=True)
 class ParityReport:
     checks: list[Check]
     inputs: int
+    thresholds: dict[str, float] = field(default_factory=lambda: dict(FP32_THRESHOLDS))
 
     @property
     def passed(self) -> bool:
@@ -68,11 +80,7 @@ class ParityReport:
     def to_dict(self) -> dict[str, object]:
         return {
             "inputs": self.inputs,
-            "thresholds": {
-                "min_cosine": MIN_COSINE,
-                "max_abs_diff": MAX_ABS_DIFF,
-                "max_spearman_gap": MAX_SPEARMAN_GAP,
-            },
+            "thresholds": self.thresholds,
             "checks": [
                 {"name": c.name, "passed": c.passed, **c.figures, **({"note": c.note} if c.note else {})}
                 for c in self.checks
@@ -170,7 +178,13 @@ def parity_texts(data_dir: Path | None) -> tuple[list[str], list[ScoredPair]]:
     return list(dict.fromkeys(texts + edge)), pairs
 
 
-def batch_invariance(embed: Embedder, rows: list[list[int]], seed: int = 0) -> Check:
+def batch_invariance(
+    embed: Embedder,
+    rows: list[list[int]],
+    seed: int = 0,
+    min_cosine: float = MIN_COSINE,
+    name: str = "3 batch invariance (onnx)",
+) -> Check:
     """Each row alone vs inside shuffled (so mixed-length, padded) batches."""
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
@@ -178,7 +192,10 @@ def batch_invariance(embed: Embedder, rows: list[list[int]], seed: int = 0) -> C
     in_batch = np.empty_like(mixed)
     in_batch[order] = mixed
     alone = np.concatenate([embed([row]) for row in rows])
-    return compare("3 batch invariance (onnx)", alone, in_batch, max_abs=None)
+    check = compare(name, alone, in_batch, max_abs=None)
+    if check.note or min_cosine == MIN_COSINE:
+        return check
+    return Check(check.name, check.figures["min_cosine"] >= min_cosine, check.figures)
 
 
 def run_parity(
@@ -229,3 +246,25 @@ def _spearman_check(
     ref = spearman_x100(dict(zip(texts, want, strict=True)), pairs)
     figures = {"spearman_onnx": got, "spearman_reference": ref, "gap": abs(got - ref)}
     return Check(name, abs(got - ref) <= MAX_SPEARMAN_GAP, figures)
+
+
+def run_int8_gate(
+    fp32: ort.InferenceSession, int8: ort.InferenceSession, tokenizer: Tokenizer, data_dir: Path
+) -> ParityReport:
+    """The int8 graph against fp32: STS-B dev Spearman within 0.5, and batch invariance >= 0.999."""
+    texts, pairs = parity_texts(data_dir)
+    rows = tokenizer.encode(texts).ids
+    want = length_sorted(onnx_embedder(fp32))(rows)
+    int8_embed = onnx_embedder(int8)
+    got = length_sorted(int8_embed)(rows)
+    agreement = compare("int8 vs fp32 (informative)", got, want, max_abs=None)
+    fp32_score = spearman_x100(dict(zip(texts, want, strict=True)), pairs)
+    int8_score = spearman_x100(dict(zip(texts, got, strict=True)), pairs)
+    gap = abs(int8_score - fp32_score)
+    figures = {"spearman_int8": int8_score, "spearman_fp32": fp32_score, "gap": gap}
+    checks = [
+        Check("int8 sts-b dev spearman vs fp32", gap <= INT8_MAX_SPEARMAN_GAP, figures),
+        batch_invariance(int8_embed, rows, min_cosine=INT8_MIN_BATCH_COSINE, name="int8 batch invariance"),
+        Check(agreement.name, True, agreement.figures),
+    ]
+    return ParityReport(checks, len(rows), dict(INT8_THRESHOLDS))

@@ -167,9 +167,11 @@ class Batcher:
         now = time.monotonic()
         kept: deque[Pending] = deque()
         for p in self._queue:
+            expired = p.deadline is not None and now >= p.deadline
             if p.abandoned:
-                self.metrics.dropped.labels("cancelled").inc()
-            elif p.deadline is not None and now >= p.deadline:
+                # gRPC cancels the call when its deadline passes, usually before this check sees it.
+                self.metrics.dropped.labels("deadline" if expired else "cancelled").inc()
+            elif expired:
                 self.metrics.dropped.labels("deadline").inc()
                 p.future.set_exception(Dropped("deadline exceeded while queued; the input was not computed"))
             else:

@@ -100,7 +100,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = _cancelled_code(context)
             raise
         finally:
             self._record("EmbedStream", code, started)
@@ -124,7 +124,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             await context.abort(e.code, str(e))
             raise  # unreachable: abort raises
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = _cancelled_code(context)
             raise
         except Exception:
             log.exception("%s failed", method)
@@ -238,6 +238,13 @@ def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
     name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """gRPC cancels the handler both when the caller cancels and when the call's deadline passes."""
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= 0
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -1,0 +1,403 @@
+"""Metrics: names, types and bounded labels on a fresh registry; the batcher moves the counters an operator
+reads (padding, refusals, drops); a live scrape of a real server has every family and passes `promtool
+check metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from client.client import EmbeddingClient, embed_request
+from proto.embedding.v1 import embedding_pb2 as pb
+from server.batcher import Batcher, BatchLimits
+from server.errors import Dropped, Overloaded
+from server.metrics import Metrics
+from tests.conftest import REPO_ROOT
+from tests.server_process import ServerProcess, start_server
+
+Served = tuple[ServerProcess, pb.InfoResponse, str]
+DOCS = REPO_ROOT / "docs" / "metrics.md"
+INFO_LABELS = {"model_id", "sha256", "precision", "provider"}
+# Family name as the client library reports it (counters without `_total`) -> (type, label names).
+FAMILIES: dict[str, tuple[str, set[str]]] = {
+    "embed_requests": ("counter", {"method", "code"}),
+    "embed_inputs": ("counter", set()),
+    "embed_tokens": ("counter", set()),
+    "embed_batch_tokens": ("counter", set()),
+    "embed_request_duration_seconds": ("histogram", {"method"}),
+    "embed_queue_wait_seconds": ("histogram", set()),
+    "embed_tokenization_duration_seconds": ("histogram", set()),
+    "embed_model_run_duration_seconds": ("histogram", set()),
+    "embed_batch_size": ("histogram", set()),
+    "embed_batch_padded_tokens": ("histogram", set()),
+    "embed_queue_depth": ("gauge", set()),
+    "embed_requests_in_flight": ("gauge", set()),
+    "embed_requests_refused": ("counter", set()),
+    "embed_inputs_dropped": ("counter", {"reason"}),
+    "embed_inputs_truncated": ("counter", set()),
+    "embed_batch_failures": ("counter", set()),
+    "embed_model": ("info", INFO_LABELS),
+    "embed_model_load_seconds": ("gauge", set()),
+    "embed_model_warmup_seconds": ("gauge", set()),
+    "embed_ready": ("gauge", set()),
+}
+DEFAULT_COLLECTOR_SAMPLES = (
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+    "python_info",
+    "python_gc_collections_total",
+)
+# Every label's values come from a closed set: a label taking a request's data would be unbounded.
+METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].methods}
+BOUNDED = {
+    "method": METHODS,
+    "code": {c.name for c in grpc.StatusCode},
+    "reason": {"deadline", "cancelled"},
+}
+
+
+def exposed_name(name: str, kind: str) -> str:
+    """The name a scrape shows for a family: counters end in _total, info metrics in _info."""
+    return {"counter": f"{name}_total", "info": f"{name}_info"}.get(kind, name)
+
+
+def exercised_metrics() -> Metrics:
+    """Fresh metrics with one child of each labelled family, so every family has samples."""
+    m = Metrics(CollectorRegistry())
+    m.requests.labels("Embed", "OK").inc()
+    m.request_duration.labels("Embed").observe(0.01)
+    m.model.info(
+        {"model_id": "m", "sha256": "0" * 64, "precision": "fp32", "provider": "CPUExecutionProvider"}
+    )
+    return m
+
+
+def test_every_family_has_its_name_type_and_labels_and_nothing_else_is_exported() -> None:
+    families = {f.name: f for f in exercised_metrics().registry.collect() if f.name.startswith("embed_")}
+    assert set(families) == set(FAMILIES)
+    for name, (kind, labels) in FAMILIES.items():
+        family = families[name]
+        assert family.type == kind, name
+        assert family.documentation, f"{name} has no help text"
+        sample_labels = {k for s in family.samples for k in s.labels} - {"le"}
+        assert sample_labels == labels, name
+
+
+def test_names_follow_prometheus_practice() -> None:
+    """One prefix, snake case, base units: a family that measures time ends in _seconds."""
+    timed = ("duration", "wait", "load", "warmup", "latency", "time")
+    for name in FAMILIES:
+        assert re.fullmatch(r"embed_[a-z0-9_]+", name), name
+        assert not any(unit in name for unit in ("_ms", "millis", "micro")), f"{name}: use base units"
+        if any(word in name for word in timed):
+            assert name.endswith("_seconds"), f"{name}: a duration is in seconds"
+    for family in exercised_metrics().registry.collect():
+        for s in family.samples:
+            assert s.name.startswith(("embed_", "process_", "python_")), s.name
+            if family.type == "counter":
+                assert s.name.endswith(("_total", "_created")), s.name
+
+
+def test_latency_buckets_span_sub_millisecond_to_seconds() -> None:
+    m = exercised_metrics()
+    for name in (
+        "embed_request_duration_seconds",
+        "embed_queue_wait_seconds",
+        "embed_model_run_duration_seconds",
+    ):
+        [family] = [f for f in m.registry.collect() if f.name == name]
+        bounds = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+        finite = [b for b in bounds if b != math.inf]
+        assert min(finite) < 0.001 and max(finite) >= 5.0, (name, finite)
+
+
+def test_registries_are_independent() -> None:
+    a, b = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    a.refused.inc(3)
+    assert a.registry.get_sample_value("embed_requests_refused_total") == 3
+    assert b.registry.get_sample_value("embed_requests_refused_total") == 0
+
+
+def test_dropped_reasons_are_exported_at_zero_before_any_drop() -> None:
+    m = Metrics(CollectorRegistry())
+    for reason in BOUNDED["reason"]:
+        assert m.registry.get_sample_value("embed_inputs_dropped_total", {"reason": reason}) == 0
+
+
+def test_docs_describe_every_exported_metric() -> None:
+    text = DOCS.read_text()
+    missing = [exposed_name(n, k) for n, (k, _) in FAMILIES.items() if exposed_name(n, k) not in text]
+    assert not missing, f"{DOCS} does not describe {missing}"
+
+
+# The batcher with a fake model: the counters move as a real batch flows through.
+
+
+class FakeRun:
+    """Stands in for the backend: counts runs; optionally blocks until released."""
+
+    def __init__(self, blocked: bool = False) -> None:
+        self.runs = 0
+        self.gate = threading.Event()
+        if not blocked:
+            self.gate.set()
+
+    def __call__(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.runs += 1
+        assert self.gate.wait(10), "the test never released the fake model"
+        vectors = np.ones((len(lengths), 4), dtype=np.float32) / 2  # (B, D) unit length
+        return vectors, vectors
+
+
+def run_with_batcher(
+    run: FakeRun, scenario: Callable[[Batcher], Awaitable[None]], queue_limit: int = 64
+) -> Metrics:
+    """Run `scenario(batcher)` on an event loop with a started batcher; returns its metrics."""
+    metrics = Metrics(CollectorRegistry())
+
+    async def main() -> None:
+        batcher = Batcher(run, BatchLimits(1024, 32, 0.001, queue_limit), metrics)
+        batcher.start()
+        try:
+            await scenario(batcher)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(main())
+    return metrics
+
+
+def value(m: Metrics, name: str, **labels: str) -> float:
+    v = m.registry.get_sample_value(name, labels)
+    assert v is not None, f"no sample {name}{labels}"
+    return v
+
+
+def test_one_batch_moves_the_real_and_padded_token_counters() -> None:
+    rows = [[5] * 2, [5] * 4, [5] * 8]  # padded to 3 x 8 = 24 tokens, 14 of them real
+
+    async def scenario(batcher: Batcher) -> None:
+        assert len(await batcher.submit(rows)) == 3
+
+    m = run_with_batcher(FakeRun(), scenario)
+    assert value(m, "embed_tokens_total") == 14
+    assert value(m, "embed_batch_tokens_total") == 24
+    assert value(m, "embed_inputs_total") == 3
+    assert value(m, "embed_batch_size_count") == 1 and value(m, "embed_batch_size_sum") == 3
+    assert value(m, "embed_batch_padded_tokens_sum") == 24
+    assert value(m, "embed_queue_wait_seconds_count") == 3
+    assert value(m, "embed_model_run_duration_seconds_count") == 1
+    assert value(m, "embed_queue_depth") == 0
+    padding = 1 - value(m, "embed_tokens_total") / value(m, "embed_batch_tokens_total")
+    assert padding == pytest.approx(10 / 24)
+
+
+def test_a_full_queue_is_refused_and_counted_without_compute() -> None:
+    run = FakeRun()
+
+    async def scenario(batcher: Batcher) -> None:
+        with pytest.raises(Overloaded):
+            await batcher.submit([[1], [2], [3]])
+
+    m = run_with_batcher(run, scenario, queue_limit=2)
+    assert value(m, "embed_requests_refused_total") == 1
+    assert run.runs == 0 and value(m, "embed_inputs_total") == 0
+
+
+def test_an_expired_deadline_is_dropped_before_compute_and_counted() -> None:
+    run = FakeRun()
+
+    async def scenario(batcher: Batcher) -> None:
+        with pytest.raises(Dropped):
+            await batcher.submit([[1, 2, 3]], deadline=time.monotonic() - 0.001)
+
+    m = run_with_batcher(run, scenario)
+    assert value(m, "embed_inputs_dropped_total", reason="deadline") == 1
+    assert value(m, "embed_inputs_dropped_total", reason="cancelled") == 0
+    assert run.runs == 0 and value(m, "embed_tokens_total") == 0
+
+
+async def _wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def _queue_behind_a_running_batch(batcher: Batcher, run: FakeRun, deadline: float | None) -> None:
+    """Queue one input behind a blocked batch, cancel its caller (at its deadline, if it has one)."""
+    first = asyncio.create_task(batcher.submit([[1, 1]]))
+    await _wait_until(lambda: run.runs == 1)
+    waiting = asyncio.create_task(batcher.submit([[2, 2]], deadline=deadline))
+    await _wait_until(lambda: batcher.depth == 1)
+    if deadline is not None:
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
+    waiting.cancel()  # as gRPC does to the handler when the caller cancels or the deadline passes
+    run.gate.set()
+    await first
+    await _wait_until(lambda: batcher.depth == 0)
+
+
+def test_a_cancelled_caller_is_dropped_before_compute_and_counted() -> None:
+    run = FakeRun(blocked=True)
+    m = run_with_batcher(run, lambda b: _queue_behind_a_running_batch(b, run, None))
+    assert value(m, "embed_inputs_dropped_total", reason="cancelled") == 1
+    assert value(m, "embed_inputs_dropped_total", reason="deadline") == 0
+    assert run.runs == 1
+
+
+def test_a_call_cancelled_by_its_deadline_counts_as_a_deadline_drop() -> None:
+    """gRPC cancels the handler when the deadline passes, usually before the batcher looks at the input."""
+    run = FakeRun(blocked=True)
+    deadline = time.monotonic() + 0.05
+    m = run_with_batcher(run, lambda b: _queue_behind_a_running_batch(b, run, deadline))
+    assert value(m, "embed_inputs_dropped_total", reason="deadline") == 1
+    assert value(m, "embed_inputs_dropped_total", reason="cancelled") == 0
+    assert run.runs == 1
+
+
+# A live scrape of a real server.
+
+
+def scrape(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def samples(text: str) -> list[Sample]:
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def settled_scrape(metrics_port: int, timeout: float = 10.0) -> str:
+    """A scrape once no RPC is in flight: a call is counted just after its caller sees the status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = scrape(metrics_port)
+        in_flight = [s.value for s in samples(text) if s.name == "embed_requests_in_flight"]
+        if in_flight == [0] or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+def promtool_check_metrics(text: str) -> None:
+    """`promtool check metrics` (lint of names, units, help) on a scrape; fails if promtool is missing."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found on PATH: run scripts/install-prometheus.sh", pytrace=False)
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, f"promtool check metrics:\n{done.stdout}{done.stderr}"
+
+
+def assert_labels_bounded(text: str) -> None:
+    for s in samples(text):
+        for key, allowed in BOUNDED.items():
+            if key in s.labels:
+                assert s.labels[key] in allowed, f"{s.name}{s.labels}: {key} outside {sorted(allowed)}"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: object) -> Iterator[Served]:
+    """A real server after one call of each kind, one of them invalid and one truncated; and its scrape."""
+    server = start_server().wait_serving()
+    try:
+        assert server.metrics_port is not None
+        with EmbeddingClient(server.address) as client:
+            client.embed(["a short text", "word " * 400])  # the second is truncated
+            client.tokenize(["tokens"])
+            info = client.info()
+            with pytest.raises(grpc.RpcError) as e:
+                client.embed_response(embed_request([]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        yield server, info, settled_scrape(server.metrics_port)
+    finally:
+        server.stop()
+
+
+def test_live_scrape_has_every_family_and_the_default_collectors(served: Served) -> None:
+    _, _, text = served
+    names = {s.name for s in samples(text)}
+    for name, (kind, _) in FAMILIES.items():
+        assert exposed_name(name, kind) in names or f"{name}_count" in names, name
+    for name in DEFAULT_COLLECTOR_SAMPLES:
+        assert name in names, name
+
+
+def test_live_scrape_counts_the_calls_made(served: Served) -> None:
+    _, _, text = served
+    by_key = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples(text)}
+
+    def get(name: str, **labels: str) -> float:
+        return by_key.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert get("embed_requests_total", method="Embed", code="OK") == 1
+    assert get("embed_requests_total", method="Embed", code="INVALID_ARGUMENT") == 1
+    assert get("embed_requests_total", method="Tokenize", code="OK") == 1
+    assert get("embed_requests_total", method="Info", code="OK") == 1
+    assert get("embed_inputs_total") == 2
+    assert get("embed_inputs_truncated_total") == 1
+    assert 0 < get("embed_tokens_total") <= get("embed_batch_tokens_total")
+    assert get("embed_request_duration_seconds_count", method="Embed") == 2
+    assert get("embed_ready") == 1
+    assert get("embed_requests_in_flight") == 0
+    assert get("embed_model_load_seconds") > 0 and get("embed_model_warmup_seconds") > 0
+
+
+def test_live_info_names_the_model_and_the_provider_in_use(served: Served) -> None:
+    _, info, text = served
+    [model] = [s for s in samples(text) if s.name == "embed_model_info"]
+    assert model.value == 1
+    assert model.labels == {
+        "model_id": info.model_id,
+        "sha256": info.weights_sha256,
+        "precision": pb.Precision.Name(info.precision).removeprefix("PRECISION_").lower(),
+        "provider": info.execution_provider,
+    }
+
+
+def test_live_labels_are_bounded(served: Served) -> None:
+    _, _, text = served
+    assert_labels_bounded(text)
+
+
+def test_live_scrape_passes_promtool_check_metrics(served: Served) -> None:
+    _, _, text = served
+    promtool_check_metrics(text)
+
+
+def test_live_histograms_are_consistent(served: Served) -> None:
+    """Cumulative buckets never decrease and +Inf equals _count: what histogram_quantile relies on."""
+    _, _, text = served
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram":
+            continue
+        series: dict[tuple, list[tuple[float, float]]] = {}
+        counts = {}
+        for s in family.samples:
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            if s.name.endswith("_bucket"):
+                series.setdefault(key, []).append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                counts[key] = s.value
+        for key, buckets in series.items():
+            buckets.sort()
+            values = [v for _, v in buckets]
+            assert values == sorted(values), (family.name, key)
+            assert buckets[-1][0] == math.inf and values[-1] == counts[key], (family.name, key)
