@@ -24,6 +24,10 @@ from client.client import (
 )
 
 
+class InputFileError(Exception):
+    """A corpus file that cannot be embedded as given; the message names the line."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
     p.add_argument(
@@ -84,6 +88,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 async def embed_file(args: argparse.Namespace) -> np.ndarray:
     lines = args.path.read_text(encoding="utf-8").splitlines()
+    blank = next((n for n, line in enumerate(lines, start=1) if not line), None)
+    if blank is not None:
+        raise InputFileError(f"{args.path}:{blank}: empty line (the file holds one text per line)")
     chunks = [lines[i : i + args.batch_size] for i in range(0, len(lines), args.batch_size)]
     results: list[np.ndarray | None] = [None] * len(chunks)
     slots = asyncio.Semaphore(args.concurrency)
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         print(f"client: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    except OSError as e:
+    except (OSError, UnicodeDecodeError, InputFileError) as e:
         print(f"client: error: {e}", file=sys.stderr)
         return 2
 

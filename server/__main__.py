@@ -8,16 +8,16 @@ import sys
 
 from server.app import configure_process, serve
 from server.backend import ModelRepositoryError
-from server.config import load_config
+from server.config import ConfigError, load_config
 from server.security import SecurityConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(argv, os.environ)
-    configure_process(config)
     try:
+        config = load_config(argv, os.environ)
+        configure_process(config)
         asyncio.run(serve(config))
-    except (ModelRepositoryError, SecurityConfigError, ValueError, OSError) as e:
+    except (ConfigError, ModelRepositoryError, SecurityConfigError, ValueError, OSError) as e:
         print(f"server: error: {e}", file=sys.stderr)
         return 2
     return 0

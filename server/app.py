@@ -176,6 +176,7 @@ async def start(app: App) -> None:
     """Listen at once (health answers NOT_SERVING), warm up, then serve."""
     await set_serving(app.health, False)
     await app.server.start()
+    log.info("listening on port %d; warming up", app.port)
     app.batcher.start()
     seconds = await asyncio.to_thread(warm_up, app)
     app.metrics.warmup_seconds.set(seconds)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from model.tokenizer import pad_batch
-from server.errors import BackendFailure, Dropped, Overloaded
+from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -70,24 +70,21 @@ def choose_batch(lengths: Sequence[int], max_tokens: int, max_size: int) -> list
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     lo = hi = order.index(0)
-    longest, count = lengths[0], 1
-    while count < max_size:
-        # Padding added: a shorter row is padded to `longest`; a longer row pads every row so far.
-        waste_left = longest - lengths[order[lo - 1]] if lo > 0 else math.inf
-        waste_right = (lengths[order[hi + 1]] - longest) * count if hi + 1 < len(order) else math.inf
-        if waste_left <= waste_right and waste_left != math.inf:
-            if (count + 1) * longest > max_tokens:
-                break
-            lo -= 1
-        elif waste_right != math.inf:
-            candidate = lengths[order[hi + 1]]
-            if (count + 1) * candidate > max_tokens:
-                break
-            hi += 1
-            longest = candidate
-        else:
+    longest = lengths[0]
+    while hi - lo + 1 < max_size:
+        count = hi - lo + 1
+        left_fits = lo > 0 and (count + 1) * longest <= max_tokens
+        right_fits = hi + 1 < len(order) and (count + 1) * lengths[order[hi + 1]] <= max_tokens
+        if not (left_fits or right_fits):
             break
-        count += 1
+        # Padding added: a shorter row is padded to `longest`; a longer row pads every row so far.
+        waste_left = longest - lengths[order[lo - 1]] if left_fits else math.inf
+        waste_right = (lengths[order[hi + 1]] - longest) * count if right_fits else math.inf
+        if waste_left <= waste_right:
+            lo -= 1
+        else:
+            hi += 1
+            longest = lengths[order[hi]]
     return sorted(order[lo : hi + 1])
 
 
@@ -122,6 +119,10 @@ class Batcher:
 
     async def submit(self, rows: Sequence[Sequence[int]], deadline: float | None = None) -> list[Result]:
         """Queue one request's rows; results come back in the rows' order."""
+        if len(rows) > self.limits.queue_limit:
+            raise InvalidInput(
+                f"{len(rows)} inputs can never fit the queue_limit of {self.limits.queue_limit}"
+            )
         if len(self._queue) + len(rows) > self.limits.queue_limit:
             self.metrics.refused.inc()
             raise Overloaded(
@@ -144,8 +145,13 @@ class Batcher:
         while True:
             await self._wait_for_batch()
             batch = self._take_batch()
-            if batch:
+            try:
                 await self._run_batch(batch)
+            except Exception:  # a bug here must fail one batch, never stop the server
+                log.exception("batcher error; failing the %d inputs of this batch", len(batch))
+                for p in batch:
+                    if not p.abandoned:
+                        p.future.set_exception(BackendFailure("internal batching error"))
 
     async def _wait_for_batch(self) -> None:
         """Until work is queued, then until a batch is full or the oldest input waited long enough."""
@@ -194,6 +200,8 @@ class Batcher:
         return batch
 
     async def _run_batch(self, batch: list[Pending]) -> None:
+        if not batch:
+            return
         ids, lengths = pad_batch([list(p.ids) for p in batch], self.pad_id)
         batch_id = next(self._batch_ids)
         started = time.monotonic()
@@ -218,7 +226,10 @@ class Batcher:
             try:
                 normalised, pooled = await self._in_worker(*pad_batch([list(p.ids)], self.pad_id))
             except Exception as e:
-                p.future.set_exception(BackendFailure(f"model run failed for this input: {type(e).__name__}"))
+                if not p.abandoned:  # its caller may have gone while this input ran
+                    p.future.set_exception(
+                        BackendFailure(f"model run failed for this input: {type(e).__name__}")
+                    )
                 continue
             run_s = time.monotonic() - started
             self._observe([p], len(p.ids), len(p.ids), started, run_s)

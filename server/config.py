@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 Device = Literal["auto", "cuda", "cpu"]
+
+
+class ConfigError(Exception):
+    """A setting that cannot be used; the message names it and its value."""
+
+
 ENV_PREFIX = "EMBED_"
 
 
@@ -50,10 +56,21 @@ class ServerConfig:
     fault_text: str = ""
 
     def __post_init__(self) -> None:
-        positive = ("max_batch_tokens", "max_batch_size", "max_inputs_per_request", "queue_limit")
+        positive = (
+            "max_batch_tokens",
+            "max_batch_size",
+            "max_inputs_per_request",
+            "queue_limit",
+            "max_stream_in_flight",
+            "max_concurrent_streams",
+            "max_message_bytes",
+            "max_text_chars",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
 
@@ -92,6 +109,13 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+def _from_env(environ: Mapping[str, str], env: str, kind: type) -> Any:
+    try:
+        return kind(environ[env])
+    except ValueError:
+        raise ConfigError(f"{env}={environ[env]!r} is not a valid {kind.__name__}") from None
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m server", description="Batched gRPC embedding server.")
     defaults = ServerConfig()
@@ -99,7 +123,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default = getattr(defaults, f.name)
         kind = type(default)
         env = env_name(f.name)
-        value = kind(environ[env]) if env in environ else default
+        value = _from_env(environ, env, kind) if env in environ else default
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=kind,
@@ -115,4 +139,4 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Serve
     try:
         return ServerConfig(**vars(args))
     except ValueError as e:
-        raise SystemExit(f"server: error: {e}") from e
+        raise ConfigError(str(e)) from e

@@ -188,9 +188,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                 response = await self._embed(item.request, deadline)
                 await answers.put(pb.EmbedStreamResponse(id=item.id, response=response))
             except ServiceError as e:
-                error = pb.Error(code=e.code.value[0], message=str(e))
-                item_id = item.id if isinstance(item, pb.EmbedStreamRequest) else ""
-                await answers.put(pb.EmbedStreamResponse(id=item_id, error=error))
+                await answers.put(_stream_error(item, e.code, str(e)))
+            except Exception:  # every item gets an answer, even after a bug
+                log.exception("EmbedStream item failed")
+                await answers.put(
+                    _stream_error(item, grpc.StatusCode.INTERNAL, "internal error; see the server log")
+                )
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -238,6 +241,11 @@ def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
     name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
+
+
+def _stream_error(item: object, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:
+    item_id = item.id if isinstance(item, pb.EmbedStreamRequest) else ""
+    return pb.EmbedStreamResponse(id=item_id, error=pb.Error(code=code.value[0], message=message))
 
 
 def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -81,7 +81,9 @@ def start_server(*args: str, metrics: bool = True, env: dict[str, str] | None = 
     cmd += ["--metrics-address", "127.0.0.1:0" if metrics else ""]
     cmd += list(args)
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=environment)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=environment
+    )
     server = ServerProcess(proc)
     threading.Thread(target=server._pump, daemon=True).start()
     return server

@@ -1,0 +1,303 @@
+"""The batcher with a fake model: which inputs run together, padding, order, and what is dropped or refused.
+
+The fake model records every batch it is given, so a test can see exactly what reached "compute".
+Row i's vector is (first id, length): each result can be traced back to the input it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from server.batcher import Batcher, BatchLimits, choose_batch
+from server.errors import BackendFailure, Dropped, Overloaded
+from server.metrics import Metrics
+
+T = TypeVar("T")
+PAD = 0
+FAULT = 99  # a row starting with this id makes the fake model fail the whole batch
+
+
+class FakeModel:
+    """Stands in for the ONNX backend: records every (ids, lengths) batch; can block or fail."""
+
+    def __init__(self, blocked: bool = False) -> None:
+        self.batches: list[tuple[np.ndarray, np.ndarray]] = []
+        self.gate = threading.Event()
+        if not blocked:
+            self.gate.set()
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.batches.append((ids.copy(), lengths.copy()))
+        assert self.gate.wait(10), "the test never released the fake model"
+        if (ids[:, 0] == FAULT).any():
+            raise RuntimeError("fake model failure")
+        vectors = np.stack([ids[:, 0], lengths], axis=1).astype(np.float32)  # (B, 2)
+        return vectors, vectors * 2
+
+    def first_ids_seen(self) -> list[int]:
+        return [int(i) for ids, _ in self.batches for i in ids[:, 0]]
+
+
+def new_batcher(
+    model: FakeModel,
+    max_batch_tokens: int = 64,
+    max_batch_size: int = 8,
+    max_queue_delay_s: float = 0.0,
+    queue_limit: int = 64,
+) -> Batcher:
+    limits = BatchLimits(max_batch_tokens, max_batch_size, max_queue_delay_s, queue_limit)
+    return Batcher(model.run, limits, Metrics(), pad_id=PAD)
+
+
+def run(scenario: Callable[[], Awaitable[T]]) -> T:
+    """Run one scenario on a fresh event loop, never longer than 20 s."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(scenario(), 20)
+
+    return asyncio.run(bounded())
+
+
+async def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+def sample(batcher: Batcher, name: str, **labels: str) -> float:
+    value = batcher.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def first_ids(results: list) -> list[int]:
+    return [int(r.embedding[0]) for r in results]
+
+
+# choose_batch ---------------------------------------------------------------------------------------
+
+
+def test_choose_batch_keeps_the_oldest_input_even_when_it_is_the_longest():
+    assert 0 in choose_batch([50, 3, 3, 3, 3], max_tokens=100, max_size=8)
+    assert choose_batch([64, 3, 3], max_tokens=64, max_size=8) == [0]
+
+
+def test_choose_batch_picks_similar_lengths_from_the_window():
+    lengths = [10, 100, 11, 98, 12, 99, 10]
+    assert choose_batch(lengths, max_tokens=1000, max_size=4) == [0, 2, 4, 6]
+
+
+def test_choose_batch_respects_the_batch_size():
+    assert len(choose_batch([5] * 20, max_tokens=10_000, max_size=6)) == 6
+
+
+def test_choose_batch_respects_the_padded_token_budget():
+    # 4 rows x 25 = 100 fits; a fifth row of 25 would make 125.
+    assert len(choose_batch([25] * 10, max_tokens=100, max_size=32)) == 4
+
+
+def test_choose_batch_takes_a_shorter_input_when_the_next_longer_one_does_not_fit():
+    # Four rows of 200 cost 800. A fifth row of 210 would cost 1050 > 1024, but the row of 50
+    # costs 5 x 200 = 1000: the batch should take it rather than stop at four rows.
+    lengths = [200, 200, 200, 200, 210, 50]
+    assert choose_batch(lengths, max_tokens=1024, max_size=32) == [0, 1, 2, 3, 5]
+
+
+@given(
+    # Short lengths and budgets, so that ties and budget edges come up often.
+    lengths=st.lists(st.integers(1, 32), min_size=1, max_size=40),
+    max_size=st.integers(1, 24),
+    extra_tokens=st.integers(0, 160),
+)
+@example(lengths=[200, 200, 200, 200, 210, 50], max_size=32, extra_tokens=814)
+def test_choose_batch_properties(lengths, max_size, extra_tokens):
+    max_tokens = max(lengths) + extra_tokens  # the server guarantees one max-length input fits
+    chosen = choose_batch(lengths, max_tokens, max_size)
+    rows = [lengths[i] for i in chosen]
+    assert 0 in chosen
+    assert chosen == sorted(set(chosen))
+    assert len(chosen) <= max_size
+    assert len(chosen) * max(rows) <= max_tokens
+    # Similar lengths: no input left out lies strictly between the batch's shortest and longest.
+    left_out = [i for i in range(len(lengths)) if i not in set(chosen)]
+    assert not [i for i in left_out if min(rows) < lengths[i] < max(rows)]
+    # Full: while rows are left, no single input left out would still have fitted the budget.
+    if len(chosen) < max_size:
+        assert all((len(chosen) + 1) * max(max(rows), lengths[i]) > max_tokens for i in left_out)
+
+
+# Batcher --------------------------------------------------------------------------------------------
+
+
+def test_inputs_of_one_request_spanning_several_batches_come_back_in_order():
+    model = FakeModel()
+    batcher = new_batcher(model, max_batch_size=2)
+    rows = [[10 + i] + [5] * length for i, length in enumerate([7, 1, 4, 9, 1, 3, 6])]
+
+    async def scenario():
+        batcher.start()
+        try:
+            return await batcher.submit(rows)
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    assert first_ids(results) == [10, 11, 12, 13, 14, 15, 16]
+    assert [int(r.embedding[1]) for r in results] == [len(r) for r in rows]
+    assert len(model.batches) >= 4
+    assert sorted(model.first_ids_seen()) == list(range(10, 17))
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_padding_matches_the_lengths_given_to_the_model():
+    model = FakeModel()
+    batcher = new_batcher(model, max_batch_tokens=1000, max_queue_delay_s=0.05)
+    rows = [[101, 102, 103], [104], [105, 106, 107, 108, 109], [110, 111]]
+
+    async def scenario():
+        batcher.start()
+        try:
+            return await batcher.submit(rows)
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    assert len(model.batches) == 1
+    ids, lengths = model.batches[0]
+    assert ids.dtype == np.int64 and lengths.dtype == np.int64
+    assert ids.shape == (4, 5)
+    by_first_id = {int(ids[i, 0]): i for i in range(4)}
+    for row in rows:
+        i = by_first_id[row[0]]
+        assert lengths[i] == len(row)
+        assert ids[i, : len(row)].tolist() == row
+        assert (ids[i, len(row) :] == PAD).all()
+    assert first_ids(results) == [101, 104, 105, 110]
+
+
+def test_full_queue_refuses_at_once():
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, queue_limit=3)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            await wait_until(lambda: model.batches)  # the model is busy with it
+            queued = asyncio.create_task(batcher.submit([[2, 5], [3, 5], [4, 5]]))
+            await wait_until(lambda: batcher.depth == 3)
+            with pytest.raises(Overloaded, match="queue_limit is 3"):
+                await asyncio.wait_for(batcher.submit([[5, 5]]), 1.0)  # would block if queued
+            assert sample(batcher, "embed_requests_refused_total") == 1
+            model.gate.set()
+            return await running, await queued
+        finally:
+            await batcher.stop()
+
+    running, queued = run(scenario)
+    assert first_ids(running) == [1]
+    assert first_ids(queued) == [2, 3, 4]
+    assert 5 not in model.first_ids_seen()
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_input_whose_deadline_passed_in_the_queue_is_dropped_before_compute():
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            await wait_until(lambda: model.batches)
+            late = asyncio.create_task(batcher.submit([[2, 5]], deadline=time.monotonic() + 0.05))
+            await asyncio.sleep(0.15)
+            model.gate.set()
+            await running
+            with pytest.raises(Dropped):
+                await late
+            return await batcher.submit([[3, 5]])  # and it keeps serving
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == [3]
+    assert 2 not in model.first_ids_seen()
+    assert sample(batcher, "embed_inputs_dropped_total", reason="deadline") == 1
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_inputs_of_a_cancelled_caller_are_dropped_before_compute():
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            await wait_until(lambda: model.batches)
+            gone = asyncio.create_task(batcher.submit([[2, 5], [3, 5]]))
+            await wait_until(lambda: batcher.depth == 2)
+            gone.cancel()
+            await asyncio.sleep(0)
+            model.gate.set()
+            await running
+            await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
+            return await batcher.submit([[4, 5]])
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == [4]
+    assert not {2, 3} & set(model.first_ids_seen())
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_a_failing_row_fails_only_its_own_request():
+    model = FakeModel()
+    batcher = new_batcher(model, max_queue_delay_s=0.05)
+
+    async def scenario():
+        batcher.start()
+        try:
+            requests = [[[1, 5]], [[FAULT, 5]], [[3, 5], [4, 5]]]
+            return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+        finally:
+            await batcher.stop()
+
+    ok_a, failed, ok_c = run(scenario)
+    assert model.batches[0][0].shape[0] == 4  # all four rows shared the batch that failed
+    assert isinstance(failed, BackendFailure)
+    assert first_ids(ok_a) == [1]
+    assert first_ids(ok_c) == [3, 4]
+    assert all(ids.shape[0] == 1 for ids, _ in model.batches[1:])  # then re-run one by one
+    assert sample(batcher, "embed_batch_failures_total") == 1
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_batcher_keeps_serving_after_a_request_with_several_failing_rows():
+    model = FakeModel()
+    batcher = new_batcher(model, max_queue_delay_s=0.05)
+
+    async def scenario():
+        batcher.start()
+        try:
+            requests = [[[1, 5]], [[FAULT, 5], [FAULT, 6], [FAULT, 7]]]
+            outcome = await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+            after = await asyncio.wait_for(batcher.submit([[2, 5]]), 5)
+            return outcome, after
+        finally:
+            await batcher.stop()
+
+    (ok, failed), after = run(scenario)
+    assert first_ids(ok) == [1]
+    assert isinstance(failed, BackendFailure)
+    assert first_ids(after) == [2]
+    assert sample(batcher, "embed_queue_depth") == 0

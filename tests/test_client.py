@@ -1,0 +1,109 @@
+"""The command line `python -m client` against a real server: what a user types and what comes out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client.client import EmbeddingClient
+from tests.server_process import ServerProcess, start_server
+from tests.test_server import SHORT, TINY, assert_close, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    process = start_server().wait_serving()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[EmbeddingClient]:
+    with EmbeddingClient(server.address, timeout=60) as c:
+        yield c
+
+
+def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("EMBED_")}  # no stray settings
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args],
+        cwd=ROOT,
+        env={**environment, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_embed_prints_json_with_one_vector_per_text(server, client):
+    texts = ["A man is playing a guitar.", "東京は日本の首都です。"]
+    done = run_client("--address", server.address, "embed", *texts)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["dimensions"] == 384
+    vectors = np.asarray(out["embeddings"], dtype=np.float32)
+    assert vectors.shape == (2, 384)
+    assert np.allclose(vectors, client.embed(texts), atol=1e-6)
+    assert [u["tokens"] for u in out["usage"]] == [len(t.ids) for t in client.tokenize(texts).tokens]
+    assert int(out["timing"]["totalUs"]) > 0
+
+
+def test_embed_file_writes_rows_in_the_file_order(server, client, tmp_path):
+    lines = [(SHORT + TINY)[i] for i in np.random.default_rng(1).permutation(len(SHORT + TINY))]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "vectors.npy"
+    done = run_client(
+        "--address", server.address, "embed-file", str(corpus), "--out", str(out), "--batch-size", "8"
+    )
+    assert done.returncode == 0, done.stderr
+    vectors = np.load(out)
+    assert vectors.shape == (len(lines), 384)
+    alone = np.concatenate([client.embed([line]) for line in lines])
+    assert_close(vectors, alone)
+
+
+def test_info_prints_the_model_and_limits(server):
+    done = run_client("--address", server.address, "info")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["modelId"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert info["dimensions"] == 384
+    assert info["executionProvider"] == "CPUExecutionProvider"
+    assert info["limits"]["maxInputsPerRequest"] == 256
+
+
+def test_address_comes_from_embed_address(server):
+    done = run_client("info", env={"EMBED_ADDRESS": server.address})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dimensions"] == 384
+
+
+def test_address_flag_overrides_embed_address(server):
+    closed = f"127.0.0.1:{free_port()}"
+    done = run_client("--address", server.address, "info", env={"EMBED_ADDRESS": closed})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dimensions"] == 384
+
+
+@pytest.mark.parametrize("command", [["info"], ["embed", "hello"]])
+def test_unreachable_server_gives_one_clear_error_line_and_exit_1(command):
+    closed = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    done = run_client("--address", closed, "--timeout", "2", *command)
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("client: error: UNAVAILABLE"), done.stderr

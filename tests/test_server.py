@@ -1,0 +1,573 @@
+"""End to end: real `python -m server` processes on port 0 with the real model, compared with in-process ORT.
+
+One server per role, shared by the tests of a module (each start costs model load and warm-up):
+the main server for the API, a tiny-queue server for overload, a fault-injecting server for backend
+failures, and a lifecycle server for warm-up health and the SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from export.optimize import cpu_session
+from model.tokenizer import Tokenizer, pad_batch
+from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.server_process import SERVICE_NAME, ServerProcess, start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+MIN_COSINE = 0.99999
+DIMENSIONS = 384
+MAX_TOKENS = 256
+VOCAB = 30522
+FAULT = "__fault__"
+
+# Non-default limits, so that Info and the error messages show the flags really took effect.
+MAIN_FLAGS = {
+    "max_inputs_per_request": 64,
+    "max_text_chars": 200_000,
+    "max_batch_size": 16,
+    "max_batch_tokens": 2048,
+    "max_stream_in_flight": 8,
+    "queue_limit": 2048,
+}
+
+SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
+# STS-B-like sentences of mixed lengths: the parity sentences alone, joined in runs, and one past 256 tokens.
+SENTENCES = (
+    SHORT + [" ".join(SHORT[i : i + k]) for k in (2, 4, 7) for i in range(0, 21, 3)] + [" ".join(SHORT)]
+)
+LONG = " ".join(SHORT)  # 414 tokens
+# Short texts for the load tests: 3 to 8 tokens each.
+TINY = [
+    "a",
+    "ok",
+    "hello world",
+    "good morning",
+    "a red car",
+    "the cat sat down",
+    "rain again today",
+    "open the door please",
+    "I like green tea",
+    "where is the station?",
+]
+HUNDRED_KB = ("lorem ipsum dolor sit amet " * 4000)[:100_000]
+
+
+def flags(settings: dict[str, object]) -> list[str]:
+    return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape
+    cos = cosines(got, want)
+    worst = int(cos.argmin())
+    assert cos.min() >= MIN_COSINE, (
+        f"min cosine {cos.min():.7f} at row {worst}; max abs diff {np.abs(got - want).max():.2e}"
+    )
+
+
+def metric(server: ServerProcess, name: str, **labels: str) -> float:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+def status(outcome: object) -> grpc.StatusCode:
+    return outcome.code() if isinstance(outcome, grpc.RpcError) else grpc.StatusCode.OK
+
+
+async def embed_concurrently(address: str, requests: Sequence[pb.EmbedRequest], timeout: float) -> list:
+    """Send every request at once on one channel; each outcome is a response or an RpcError."""
+    async with AsyncEmbeddingClient(address, timeout) as c:
+        return await asyncio.gather(*(c.embed_response(r) for r in requests), return_exceptions=True)
+
+
+class Reference:
+    """The same model file in this process: ONNX Runtime on the CPU, one text at a time."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.session = cpu_session(model_dir / "model.onnx")
+        self.tokenizer = Tokenizer(model_dir / "tokenizer.json", MAX_TOKENS)
+        self._cache: dict[tuple[str, bool], np.ndarray] = {}
+
+    def embed(self, texts: Sequence[str], normalize: bool = True) -> np.ndarray:
+        return np.stack([self._one(t, normalize) for t in texts])
+
+    def _one(self, text: str, normalize: bool) -> np.ndarray:
+        if (text, normalize) not in self._cache:
+            ids, lengths = pad_batch(self.tokenizer.encode([text]).ids)
+            normalised, pooled = self.session.run(None, {"input_ids": ids, "lengths": lengths})
+            self._cache[text, normalize] = (normalised if normalize else pooled)[0]
+        return self._cache[text, normalize]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    process = start_server(*flags(MAIN_FLAGS)).wait_serving()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[EmbeddingClient]:
+    with EmbeddingClient(server.address, timeout=60) as c:
+        yield c
+
+
+# Parity and the shape of answers --------------------------------------------------------------------
+
+
+def test_embeddings_equal_in_process_onnx_runtime(client, reference):
+    assert len(SENTENCES) == 50
+    got = client.embed(SENTENCES)
+    assert got.shape == (50, DIMENSIONS)
+    assert_close(got, reference.embed(SENTENCES))
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_normalize_false_gives_the_pooled_vector(client, reference):
+    texts = SHORT[:4]
+    pooled = client.embed(texts, normalize=False)
+    normalised = client.embed(texts)
+    norms = np.linalg.norm(pooled, axis=1)
+    assert (np.abs(norms - 1) > 1e-3).all(), norms
+    assert np.allclose(pooled / norms[:, None], normalised, atol=1e-5)
+    assert np.allclose(pooled, reference.embed(texts, normalize=False), rtol=1e-4, atol=1e-5)
+
+
+def test_float_and_float32_bytes_formats_agree(client):
+    texts = SHORT[:3]
+    answers = {}
+    for fmt in (
+        pb.EMBEDDING_FORMAT_UNSPECIFIED,
+        pb.EMBEDDING_FORMAT_FLOATS,
+        pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
+    ):
+        answers[fmt] = client.stub.Embed(pb.EmbedRequest(texts=texts, format=fmt), timeout=30)
+    for fmt in (pb.EMBEDDING_FORMAT_UNSPECIFIED, pb.EMBEDDING_FORMAT_FLOATS):
+        assert all(len(e.values) == DIMENSIONS and not e.float32_le for e in answers[fmt].embeddings)
+    as_bytes = answers[pb.EMBEDDING_FORMAT_FLOAT32_BYTES]
+    assert all(len(e.float32_le) == 4 * DIMENSIONS and not e.values for e in as_bytes.embeddings)
+    floats = to_array(answers[pb.EMBEDDING_FORMAT_FLOATS])
+    assert np.allclose(to_array(as_bytes), floats, atol=1e-6)
+    assert np.allclose(to_array(answers[pb.EMBEDDING_FORMAT_UNSPECIFIED]), floats, atol=1e-6)
+
+
+def test_token_ids_input_equals_text_input(client, reference):
+    texts = [SHORT[0], SHORT[10], LONG]
+    tokens = client.tokenize(texts).tokens
+    ids = [list(t.ids) for t in tokens]
+    assert ids == reference.tokenizer.encode(texts).ids
+    assert np.allclose(client.embed_ids(ids), client.embed(texts), atol=1e-6)
+
+
+def test_order_is_kept_within_a_request_of_many_inputs(client, reference):
+    # 64 inputs of 3 to 39 tokens in a shuffled order: batching regroups them by length.
+    texts = [(SHORT + TINY)[i % 38] for i in np.random.default_rng(0).permutation(64)]
+    got = client.embed(texts)
+    want = reference.embed(texts)
+    assert_close(got, want)
+    # Each row's nearest reference vector is that of its own text (or of an identical text).
+    first = {t: i for i, t in reversed(list(enumerate(texts)))}
+    nearest = (got @ want.T).argmax(1)
+    assert [first[texts[j]] for j in nearest] == [first[t] for t in texts]
+
+
+def test_usage_and_timing_are_filled(client, reference):
+    texts = ["a", SHORT[0], LONG]
+    response = client.embed_response(embed_request(texts))
+    ids = reference.tokenizer.encode(texts).ids
+    usage = [(e.usage.tokens, e.usage.truncated, e.usage.original_tokens) for e in response.embeddings]
+    full = len(reference.tokenizer.encode_full(LONG))
+    assert usage == [(3, False, 3), (len(ids[1]), False, len(ids[1])), (MAX_TOKENS, True, full)]
+    assert full > MAX_TOKENS
+    assert response.total_tokens == 3 + len(ids[1]) + MAX_TOKENS
+    assert response.dimensions == DIMENSIONS
+    t = response.timing
+    assert t.inference_us > 0 and t.total_us > 0
+    assert t.total_us >= t.inference_us and t.total_us >= t.queue_us
+
+
+# Every refusal ------------------------------------------------------------------------------------
+
+
+def _ids(*rows: Sequence[int]) -> list[pb.TokenIds]:
+    return [pb.TokenIds(ids=list(r)) for r in rows]
+
+
+INVALID = {
+    "no inputs": (pb.EmbedRequest(), r"no inputs"),
+    "empty string": (pb.EmbedRequest(texts=["ok", ""]), r"input 1 is an empty string"),
+    "empty token ids": (pb.EmbedRequest(token_ids=_ids([101, 102], [])), r"input 1 is an empty token-id"),
+    "texts and token ids": (pb.EmbedRequest(texts=["a"], token_ids=_ids([101, 102])), r"not both"),
+    "too many texts": (
+        pb.EmbedRequest(texts=["x"] * 65),
+        r"65 inputs .*max_inputs_per_request=64",
+    ),
+    "too many token ids": (
+        pb.EmbedRequest(token_ids=_ids(*[[101, 102]] * 65)),
+        r"65 inputs .*max_inputs_per_request=64",
+    ),
+    "text too long, no truncation": (
+        pb.EmbedRequest(texts=["short", LONG], truncate=False),
+        r"input 1 has 414 tokens, over the limit max_input_tokens=256",
+    ),
+    "token ids too long, no truncation": (
+        pb.EmbedRequest(token_ids=_ids([1000] * 300), truncate=False),
+        r"input 0 has 300 tokens, over the limit max_input_tokens=256",
+    ),
+    "negative token id": (
+        pb.EmbedRequest(token_ids=_ids([101, 7592, 102], [101, -5, 102])),
+        r"input 1: token id -5 at position 1 is outside the vocabulary \[0, 30522\)",
+    ),
+    "token id past the vocabulary": (
+        pb.EmbedRequest(token_ids=_ids([101, VOCAB, 102])),
+        r"input 0: token id 30522 at position 1 is outside the vocabulary",
+    ),
+    "text over max_text_chars": (
+        pb.EmbedRequest(texts=["x" * 200_001]),
+        r"input 0 has 200001 characters, over the limit max_text_chars=200000",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INVALID.keys())
+def test_invalid_requests_get_invalid_argument_naming_the_limit(client, case):
+    request, message = INVALID[case]
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Embed(request, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, e.value.details()), e.value.details()
+
+
+def test_deadline_shorter_than_the_queue_wait_is_exceeded_and_the_server_keeps_serving(
+    server, client, reference
+):
+    dropped_before = sum(
+        metric(server, "embed_inputs_dropped_total", reason=r) for r in ("deadline", "cancelled")
+    )
+    # 24 inputs of 256 tokens: three full batches of 2048 padded tokens; the short input cannot join them.
+    heavy = client.stub.Embed.future(embed_request([f"{i} {LONG}" for i in range(24)]), timeout=120)
+    deadline = time.monotonic() + 30
+    while metric(server, "embed_queue_depth") < 16:  # the first batch runs, two more wait
+        assert time.monotonic() < deadline and not heavy.done(), "the heavy request never queued"
+        time.sleep(0.005)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Embed(embed_request(["a short text behind the queue"]), timeout=0.2)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 5
+    assert to_array(heavy.result()).shape == (24, DIMENSIONS)
+    assert_close(client.embed([SHORT[0]]), reference.embed([SHORT[0]]))
+    dropped = sum(metric(server, "embed_inputs_dropped_total", reason=r) for r in ("deadline", "cancelled"))
+    assert dropped == dropped_before + 1  # the late input was dropped, never computed
+
+
+# Awkward inputs and load ------------------------------------------------------------------------------
+
+
+def test_awkward_texts_are_embedded(client, reference):
+    texts = [
+        "nul\x00byte and a bell\x07 and an escape\x1b[0m",
+        "\x00",
+        "\t\n\r",
+        "🚀 Launch day! 🎉👍🏽👨‍👩‍👧",
+        "机器学习是人工智能的一个分支。",
+        "東京は日本の首都です。",
+        "مرحبا بالعالم، كيف حالك اليوم؟",
+        "שלום עולם",
+        "e\u0301te\u0301 \u200b zero width \ufeff",
+        HUNDRED_KB,
+    ]
+    response = client.embed_response(embed_request(texts))
+    got = to_array(response)
+    assert np.isfinite(got).all()
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert_close(got, reference.embed(texts))
+    big = response.embeddings[-1].usage
+    assert (big.tokens, big.truncated) == (MAX_TOKENS, True)
+    assert big.original_tokens > MAX_TOKENS
+
+
+def test_same_vector_alone_and_among_200_concurrent_requests(server, client, reference):
+    target = "The quick brown fox jumps over the lazy dog."
+    alone = client.embed([target])
+    texts = [target if i % 10 == 0 else SHORT[i % len(SHORT)] for i in range(200)]
+    outcomes = asyncio.run(embed_concurrently(server.address, [embed_request([t]) for t in texts], 60))
+    assert [status(o) for o in outcomes] == [grpc.StatusCode.OK] * 200
+    got = np.concatenate([to_array(o) for o in outcomes])
+    assert_close(got[::10], np.repeat(alone, 20, axis=0))
+    assert_close(got, reference.embed(texts))
+
+
+def test_50_clients_of_20_requests_all_get_correct_vectors(server, reference):
+    want = dict(zip(TINY, reference.embed(TINY), strict=True))
+
+    def one_client(c: int) -> list[float]:
+        with EmbeddingClient(server.address, timeout=60) as client:
+            texts = [TINY[(c + r) % len(TINY)] for r in range(20)]
+            return [float(cosines(client.embed([t]), want[t][None])[0]) for t in texts]
+
+    with ThreadPoolExecutor(50) as pool:
+        results = list(pool.map(one_client, range(50)))
+    assert sum(len(r) for r in results) == 1000
+    assert min(min(r) for r in results) >= MIN_COSINE
+
+
+# Streams, Tokenize, Info, reflection ---------------------------------------------------------------
+
+
+def test_embed_stream_answers_every_item_and_goes_on_after_a_bad_one(client, reference):
+    texts = {f"item-{i}": SHORT[i] for i in range(12)}
+    texts["item-5"] = ""  # refused: an empty string
+    items = [pb.EmbedStreamRequest(id=k, request=embed_request([t])) for k, t in texts.items()]
+    answers = {a.id: a for a in client.stub.EmbedStream(iter(items), timeout=60)}
+    assert set(answers) == set(texts)
+    bad = answers.pop("item-5")
+    assert bad.WhichOneof("result") == "error"
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] == 3
+    assert "empty string" in bad.error.message
+    assert all(a.WhichOneof("result") == "response" for a in answers.values())
+    got = np.concatenate([to_array(a.response) for a in answers.values()])
+    assert_close(got, reference.embed([texts[k] for k in answers]))
+
+
+def test_tokenize_matches_the_model_tokenizer(client, reference):
+    texts = [SHORT[0], SHORT[10], LONG]
+    cut = client.tokenize(texts).tokens
+    assert [list(t.ids) for t in cut] == reference.tokenizer.encode(texts).ids
+    assert (cut[2].usage.tokens, cut[2].usage.truncated, cut[2].usage.original_tokens) == (256, True, 414)
+    full = client.tokenize([LONG], truncate=False).tokens[0]
+    assert list(full.ids) == reference.tokenizer.encode_full(LONG)
+    assert (full.usage.tokens, full.usage.truncated) == (414, False)
+
+
+def test_info_describes_the_model_and_the_limits_set_by_flags(client, model_dir):
+    info = client.info()
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert info.model_id == manifest["model_id"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert info.onnx_sha256 == manifest["onnx_sha256"]
+    assert (info.dimensions, info.max_input_tokens, info.vocab_size) == (DIMENSIONS, MAX_TOKENS, VOCAB)
+    assert info.execution_provider == "CPUExecutionProvider"
+    assert info.pooling == pb.POOLING_MEAN and info.normalize_default
+    limits = info.limits
+    assert {name: getattr(limits, name) for name in MAIN_FLAGS} == MAIN_FLAGS
+    assert limits.max_input_tokens == MAX_TOKENS
+    assert {"server", "onnxruntime", "grpcio", "tokenizers", "python"} <= set(info.versions)
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        answer = next(stub.ServerReflectionInfo(iter([request]), timeout=10))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+
+
+# Overload and backend failure --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_queue_server() -> Iterator[ServerProcess]:
+    process = start_server("--queue-limit", "4", "--max-batch-size", "4").wait_serving()
+    yield process
+    process.stop()
+
+
+def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, reference):
+    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(3)]  # ~130 tokens each; 3 of the 4 queue places
+    outcomes = asyncio.run(embed_concurrently(tiny_queue_server.address, [embed_request(texts)] * 30, 60))
+    codes = [status(o) for o in outcomes]
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    refused = [o for o in outcomes if status(o) == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert all("queue_limit is 4" in o.details() for o in refused)
+    for o in outcomes:
+        if status(o) == grpc.StatusCode.OK:
+            assert_close(to_array(o), reference.embed(texts))
+    assert metric(tiny_queue_server, "embed_requests_refused_total") == len(refused)
+    assert metric(tiny_queue_server, "embed_queue_depth") == 0
+    with EmbeddingClient(tiny_queue_server.address, timeout=30) as c:
+        assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving
+
+
+@pytest.fixture(scope="module")
+def fault_server() -> Iterator[ServerProcess]:
+    # A long queue delay, so that the faulty input shares its batch with the others.
+    process = start_server("--fault-text", FAULT, "--max-queue-delay-ms", "100").wait_serving()
+    yield process
+    process.stop()
+
+
+def test_backend_failure_fails_only_the_request_holding_the_input(fault_server, reference):
+    texts = [[SHORT[i]] for i in range(20)]
+    texts.insert(7, [FAULT])
+    outcomes = asyncio.run(embed_concurrently(fault_server.address, [embed_request(t) for t in texts], 60))
+    failed = outcomes.pop(7)
+    assert status(failed) == grpc.StatusCode.INTERNAL
+    assert "model run failed" in failed.details()
+    assert [status(o) for o in outcomes] == [grpc.StatusCode.OK] * 20
+    assert_close(np.concatenate([to_array(o) for o in outcomes]), reference.embed(SHORT[:20]))
+    assert metric(fault_server, "embed_batch_failures_total") == 1
+    # Inputs re-run one by one after the failure: the others shared the faulty input's batch.
+    assert metric(fault_server, "embed_batch_size_bucket", le="1.0") >= 1
+    with EmbeddingClient(fault_server.address, timeout=30) as c:
+        assert_close(c.embed(SHORT[:2]), reference.embed(SHORT[:2]))
+
+
+def test_server_keeps_serving_after_a_request_with_several_failing_inputs(fault_server, reference):
+    with EmbeddingClient(fault_server.address, timeout=30) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.embed([FAULT, FAULT, SHORT[0]])
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+    with EmbeddingClient(fault_server.address, timeout=10) as c:
+        assert_close(c.embed(SHORT[:2]), reference.embed(SHORT[:2]))
+
+
+# Warm-up and drain ------------------------------------------------------------------------------------
+
+
+# Reconnect at once while the server is not yet listening (gRPC's default backoff waits seconds).
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 50),
+]
+
+
+class Lifecycle:
+    """A server started on a known port, watched from the moment it starts listening."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.process = start_server("--address", f"127.0.0.1:{self.port}", "--drain-timeout-s", "30")
+        self.address = f"127.0.0.1:{self.port}"
+        self.statuses: list[int] = []  # health of the service, in the order seen
+        self.embed_while_warming: grpc.StatusCode | None = None
+        self.whole_server: int | None = None  # health of "" once the service said SERVING
+
+    def watch_start(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(self.address, options=FAST_RECONNECT) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.EmbeddingServiceStub(channel)
+            while health_pb2.HealthCheckResponse.SERVING not in self.statuses:
+                assert time.monotonic() < deadline, "the server never said SERVING"
+                assert self.process.proc.poll() is None, "".join(self.process.lines)
+                time.sleep(0.01)
+                try:
+                    answer = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
+                except grpc.RpcError:
+                    continue  # not listening yet
+                self.statuses.append(answer.status)
+                if answer.status == not_serving and self.embed_while_warming is None:
+                    self.embed_while_warming = self._try_embed(stub)
+            self.whole_server = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    @staticmethod
+    def _try_embed(stub: pb_grpc.EmbeddingServiceStub) -> grpc.StatusCode:
+        try:
+            stub.Embed(embed_request(["too early"]), timeout=5)
+        except grpc.RpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+
+@pytest.fixture(scope="module")
+def lifecycle() -> Iterator[Lifecycle]:
+    server = Lifecycle()
+    try:
+        server.watch_start()
+        server.process.wait_serving()
+        yield server
+    finally:
+        server.process.stop()
+
+
+def test_health_says_not_serving_until_warm_up_ends(lifecycle):
+    seen = lifecycle.statuses
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert seen[-1] == serving and serving not in seen[:-1]
+    assert lifecycle.embed_while_warming == grpc.StatusCode.UNAVAILABLE
+    assert lifecycle.whole_server == serving
+
+
+def _watch_until_not_serving(address: str, seen: list[int], watching: threading.Event) -> None:
+    with grpc.insecure_channel(address) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=60
+        )
+        for answer in call:
+            seen.append(answer.status)
+            watching.set()
+            if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                call.cancel()  # an open Watch would hold the drain until its timeout
+                return
+
+
+def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycle, reference):
+    server = lifecycle.process
+    texts = [" ".join(SHORT[i : i + 4]) for i in range(3)]  # 30 x 3 inputs of ~60 tokens: outlasts the signal
+    health_seen: list[int] = []
+    watching = threading.Event()
+    watcher = threading.Thread(target=_watch_until_not_serving, args=(server.address, health_seen, watching))
+    watcher.start()
+    assert watching.wait(10)
+    with EmbeddingClient(server.address, timeout=120) as c:
+        calls = [c.stub.Embed.future(embed_request(texts), timeout=120) for _ in range(30)]
+        deadline = time.monotonic() + 30
+        while sum(call.done() for call in calls) + metric(server, "embed_requests_in_flight") < 30:
+            assert time.monotonic() < deadline, "the 30 requests were never all in flight"
+            time.sleep(0.01)
+        server.terminate()  # every request is accepted, most still running
+        watcher.join(10)  # until health says NOT_SERVING: the drain has begun
+        unfinished = sum(not call.done() for call in calls)
+        with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as late:
+            pb_grpc.EmbeddingServiceStub(channel).Embed(embed_request(["after SIGTERM"]), timeout=5)
+        outcomes = [call.exception() or call.result() for call in calls]
+    assert health_seen == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert unfinished > 0  # NOT_SERVING was said while accepted requests were still running
+    assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [status(o) for o in outcomes] == [grpc.StatusCode.OK] * 30
+    for o in outcomes:
+        assert_close(to_array(o), reference.embed(texts))
+    assert server.wait(60) == 0

@@ -1,0 +1,123 @@
+"""Server settings: each has a flag and an EMBED_* variable, flags win, bad values are refused clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.client import EmbeddingClient
+from server.config import ConfigError, ServerConfig, build_parser, env_name, load_config
+from tests.server_process import model_dir, start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
+# Two valid values per field that are not the default: one for the environment, one for the flag.
+SPECIAL = {"device": ("cpu", "cuda"), "log_level": ("DEBUG", "WARNING")}
+
+
+def two_values(name: str) -> tuple[str, str]:
+    if name in SPECIAL:
+        return SPECIAL[name]
+    default = getattr(ServerConfig(), name)
+    if isinstance(default, Path):
+        return "/models/from-env", "/models/from-flag"
+    if isinstance(default, (int, float)):
+        return str(default + 3), str(default + 5)
+    return f"{name}-from-env", f"{name}-from-flag"
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parsed(name: str, text: str) -> object:
+    return type(getattr(ServerConfig(), name))(text)
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_setting_has_an_env_variable_and_a_flag_and_the_flag_wins(name):
+    from_env, from_flag = two_values(name)
+    env = {env_name(name): from_env}
+    assert env_name(name) == "EMBED_" + name.upper()
+    assert getattr(load_config([], {}), name) == getattr(ServerConfig(), name)
+    assert getattr(load_config([], env), name) == parsed(name, from_env)
+    assert getattr(load_config([flag(name), from_flag], {}), name) == parsed(name, from_flag)
+    assert getattr(load_config([flag(name), from_flag], env), name) == parsed(name, from_flag)
+
+
+def test_help_names_every_flag_and_env_variable():
+    text = build_parser({}).format_help()
+    for name in FIELDS:
+        assert flag(name) in text and env_name(name) in text
+
+
+def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The message a refused configuration gives (load_config's own, or argparse's on stderr)."""
+    with pytest.raises((SystemExit, ConfigError)) as e:
+        load_config(argv, env)
+    return str(e.value) if isinstance(e.value, ConfigError) else capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--max-batch-size", "0"], {}, "max_batch_size must be at least 1, not 0"),
+        (["--queue-limit", "-1"], {}, "queue_limit must be at least 1, not -1"),
+        (["--device", "tpu"], {}, "device must be auto, cuda or cpu, not 'tpu'"),
+        ([], {"EMBED_DEVICE": "tpu"}, "device must be auto, cuda or cpu, not 'tpu'"),
+        (["--max-batch-size", "many"], {}, "invalid int value: 'many'"),
+        ([], {"EMBED_MAX_BATCH_SIZE": "many"}, "EMBED_MAX_BATCH_SIZE"),
+        # A stream with no room for one unanswered item would never answer anything.
+        (["--max-stream-in-flight", "0"], {}, "max_stream_in_flight must be at least 1, not 0"),
+    ],
+)
+def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, message, capsys):
+    assert message in refusal(argv, env, capsys)
+
+
+def run_server(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--metrics-address", ""]
+    command += ["--model-dir", str(model_dir()), *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-batch-size", "0"], "max_batch_size must be at least 1, not 0"),
+        (["--device", "tpu"], "device must be auto, cuda or cpu, not 'tpu'"),
+    ],
+)
+def test_server_process_refuses_invalid_settings_without_a_traceback(args, message):
+    done = run_server(*args)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():
+    done = run_server("--max-batch-tokens", "128")
+    assert done.returncode == 2
+    assert "max_batch_tokens 128" in done.stderr and "max_input_tokens 256" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_server_process_takes_settings_from_env_and_flags_over_env():
+    env = {"EMBED_MAX_INPUTS_PER_REQUEST": "7", "EMBED_MAX_BATCH_SIZE": "4", "EMBED_QUEUE_LIMIT": "99"}
+    server = start_server("--max-batch-size", "8", env=env).wait_serving()
+    try:
+        with EmbeddingClient(server.address, timeout=30) as c:
+            limits = c.info().limits
+            assert (limits.max_inputs_per_request, limits.max_batch_size, limits.queue_limit) == (7, 8, 99)
+            assert c.embed(["x"] * 7).shape == (7, 384)
+            with pytest.raises(grpc.RpcError) as e:
+                c.embed(["x"] * 8)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_inputs_per_request=7" in e.value.details()
+    finally:
+        server.stop()
