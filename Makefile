@@ -10,10 +10,10 @@ DATA_DIR ?= $(abspath $(wildcard ../shared/data))
 export EMBED_DATA_DIR := $(DATA_DIR)
 PROTO_SRC := proto/embedding/v1/embedding.proto
 PROTO_OUT := proto/embedding/v1/embedding_pb2.py
-LINT_PATHS := model export server client bench tests
+LINT_PATHS := model export server client bench tests scripts
 TYPED_PATHS := model export server client
 
-.PHONY: install proto model serve test lint typecheck bench bench-model clean
+.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server soak clean
 
 install: $(STAMP)
 
@@ -45,11 +45,41 @@ lint: $(STAMP) proto
 typecheck: $(STAMP) proto
 	$(BIN)/mypy $(TYPED_PATHS)
 
-test: $(STAMP) proto model lint typecheck
+# Debian's prometheus + promtool: the metrics tests scrape the real server with a real Prometheus.
+rules:
+	bash scripts/install-prometheus.sh
+	promtool check config deploy/prometheus/prometheus.yml
+	promtool check rules deploy/prometheus/*.rules.yml
+	promtool test rules deploy/prometheus/tests/*.yml
+
+test: $(STAMP) proto model lint typecheck rules
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra
 
-bench-model: $(STAMP) model
-	$(BIN)/python bench/bench_model.py --model-dir $(MODEL_DIR)
+# hadolint on the Dockerfile, kubernetes-validate --strict on the rendered overlays (also run by the tests).
+check-deploy: $(STAMP)
+	VENV=$(VENV) bash scripts/check-deploy.sh
+
+k8s: $(STAMP)
+	$(BIN)/python scripts/render-k8s.py
+
+# Needs a Docker engine (none on the CI machine).
+image:
+	docker build -t minilm-embed:gpu .
+	docker build -t minilm-embed:cpu --build-arg RUNTIME_IMAGE=ubuntu:noble-20251001 .
+
+# The runtime image's hash-pinned lock file.
+lock: $(STAMP)
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 -o requirements/runtime.txt
+
+bench: bench-model bench-server
+
+bench-model: $(STAMP) proto model
+	$(BIN)/python bench/bench_model.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
+bench-server: $(STAMP) proto model
+	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_server.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 clean:
 	rm -rf build $(VENV) proto/embedding/v1/*_pb2*.py proto/embedding/v1/*_pb2*.pyi

@@ -34,6 +34,9 @@ def service_config(max_attempts: int = 5) -> str:
     return json.dumps(
         {
             "loadBalancingConfig": [{"round_robin": {}}],
+            # Client-side health checking: round_robin skips replicas that say NOT_SERVING
+            # (warming up, draining) instead of spending retries on them.
+            "healthCheckConfig": {"serviceName": SERVICE},
             "methodConfig": [{"name": [{"service": SERVICE}], "retryPolicy": policy}],
         }
     )
