@@ -94,11 +94,15 @@ def key_map(config: EncoderConfig) -> dict[str, str]:
     return keys
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _load_json(path: Path) -> Any:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    data = _load_json(path)
     if not isinstance(data, dict):
         raise WeightsError(f"{path}: expected a JSON object")
     return data
@@ -131,15 +135,20 @@ def _normalize(directory: Path) -> bool:
     path = directory / "modules.json"
     if not path.is_file():
         return False
-    modules = json.loads(path.read_text(encoding="utf-8"))
-    return any(m.get("type", "").endswith("models.Normalize") for m in modules)
+    modules = _load_json(path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise WeightsError(f"{path}: expected a JSON list of module objects")
+    return any(str(m.get("type", "")).endswith("models.Normalize") for m in modules)
 
 
 def _max_seq_length(directory: Path, max_positions: int) -> int:
     path = directory / "sentence_bert_config.json"
     if not path.is_file():
         return max_positions
-    return int(_read_json(path).get("max_seq_length", max_positions))
+    value = _read_json(path).get("max_seq_length", max_positions)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise WeightsError(f"{path}: max_seq_length {value!r} is not a positive integer")
+    return value
 
 
 def read_config(directory: Path) -> EncoderConfig:
@@ -172,7 +181,7 @@ def read_config(directory: Path) -> EncoderConfig:
         )
     except KeyError as e:
         raise WeightsError(f"{path}: missing field {e.args[0]!r}") from e
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise WeightsError(f"{path}: the encoder cannot represent this config ({e})") from e
 
 

@@ -6,7 +6,9 @@ default build/model) and EMBED_DATA_DIR (holding stsbenchmark/; optional).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,26 @@ def encoder_and_checkpoint() -> tuple[Encoder, Checkpoint]:
 def tokenizer(encoder_and_checkpoint: tuple[Encoder, Checkpoint]) -> Tokenizer:
     _, checkpoint = encoder_and_checkpoint
     return Tokenizer(checkpoint.directory / "tokenizer.json", checkpoint.config.max_seq_length)
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path: Path) -> Callable[..., Path]:
+    """Make the default checkpoint in tmp_path/ckpt: files symlinked, config.json a copy with changes
+    applied (a value of None deletes the key). For bad-checkpoint tests that edit one file."""
+
+    def make(config_changes: dict[str, object] | None = None) -> Path:
+        source, target = default_weights_dir(), tmp_path / "ckpt"
+        target.mkdir()
+        for entry in source.iterdir():
+            if entry.name != "config.json":
+                (target / entry.name).symlink_to(entry)
+        config = json.loads((source / "config.json").read_text())
+        for key, value in (config_changes or {}).items():
+            if value is None:
+                config.pop(key)
+            else:
+                config[key] = value
+        (target / "config.json").write_text(json.dumps(config))
+        return target
+
+    return make

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -31,24 +30,6 @@ SENTENCES = [
     "",
     "word " * 400,  # truncated at max_seq_length by both implementations
 ]
-
-
-def checkpoint_copy(tmp_path: Path, config_changes: dict | None = None) -> Path:
-    """The default checkpoint in tmp_path: files symlinked, config.json copied with changes applied."""
-    source = default_weights_dir()
-    target = tmp_path / "ckpt"
-    target.mkdir()
-    for entry in source.iterdir():
-        if entry.name != "config.json":
-            (target / entry.name).symlink_to(entry)
-    config = json.loads((source / "config.json").read_text())
-    for key, value in (config_changes or {}).items():
-        if value is None:
-            del config[key]
-        else:
-            config[key] = value
-    (target / "config.json").write_text(json.dumps(config))
-    return target
 
 
 def with_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -105,9 +86,9 @@ def test_import_matches_sentence_transformers(encoder_and_checkpoint, tokenizer,
         assert (states[i, :n] - want_states[i]).abs().max() <= 1e-5, SENTENCES[i]
 
 
-def test_bert_prefixed_checkpoint_imports_the_same(tmp_path, default_tensors, encoder_and_checkpoint):
+def test_bert_prefixed_checkpoint_imports_the_same(checkpoint_copy, default_tensors, encoder_and_checkpoint):
     encoder, _ = encoder_and_checkpoint
-    directory = checkpoint_copy(tmp_path)
+    directory = checkpoint_copy()
     with_tensors(directory, {f"bert.{k}": v for k, v in default_tensors.items()})
     loaded, _ = load_checkpoint(directory)
     for key, value in encoder.state_dict().items():
@@ -144,31 +125,31 @@ def test_checksum_mismatch():
         ({"hidden_size": None}, "missing field 'hidden_size'"),
     ],
 )
-def test_config_the_encoder_cannot_represent(tmp_path, changes, problem):
-    directory = checkpoint_copy(tmp_path, changes)
+def test_config_the_encoder_cannot_represent(checkpoint_copy, changes, problem):
+    directory = checkpoint_copy(changes)
     with pytest.raises(WeightsError, match=re.escape(str(directory / "config.json"))) as e:
         load_checkpoint(directory)
     assert problem in str(e.value)
 
 
-def test_missing_tensor(tmp_path, default_tensors):
-    directory = checkpoint_copy(tmp_path)
+def test_missing_tensor(checkpoint_copy, default_tensors):
+    directory = checkpoint_copy()
     gone = "encoder.layer.3.attention.self.key.weight"
     path = with_tensors(directory, {k: v for k, v in default_tensors.items() if k != gone})
     with pytest.raises(WeightsError, match=re.escape(f"{path}: missing tensors {gone}")):
         load_checkpoint(directory)
 
 
-def test_unexpected_tensor(tmp_path, default_tensors):
-    directory = checkpoint_copy(tmp_path)
+def test_unexpected_tensor(checkpoint_copy, default_tensors):
+    directory = checkpoint_copy()
     extra = "encoder.layer.0.attention.self.rotary.weight"
     path = with_tensors(directory, {**default_tensors, extra: torch.zeros(4)})
     with pytest.raises(WeightsError, match=re.escape(f"{path}: unexpected tensors {extra}")):
         load_checkpoint(directory)
 
 
-def test_wrong_tensor_shape(tmp_path, default_tensors):
-    directory = checkpoint_copy(tmp_path)
+def test_wrong_tensor_shape(checkpoint_copy, default_tensors):
+    directory = checkpoint_copy()
     name = "encoder.layer.2.intermediate.dense.bias"
     path = with_tensors(directory, {**default_tensors, name: torch.zeros(1535)})
     problem = f"{path}: {name} has shape (1535,), the config needs (1536,)"
@@ -176,17 +157,12 @@ def test_wrong_tensor_shape(tmp_path, default_tensors):
         load_checkpoint(directory)
 
 
-def test_unreadable_safetensors(tmp_path):
-    path = replace_file(checkpoint_copy(tmp_path), WEIGHTS_FILE, "not a safetensors file")
+def test_unreadable_safetensors(checkpoint_copy):
+    path = replace_file(checkpoint_copy(), WEIGHTS_FILE, "not a safetensors file")
     with pytest.raises(WeightsError, match=re.escape(f"{path}: cannot read safetensors")):
         load_checkpoint(path.parent)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="model/weights.py _normalize reads modules.json with bare json.loads (no WeightsError) "
-    "and read_config catches only KeyError/ValueError (null fields raise TypeError)",
-)
 @pytest.mark.parametrize(
     ("name", "text"),
     [
@@ -197,8 +173,8 @@ def test_unreadable_safetensors(tmp_path):
     ],
     ids=["modules-not-json", "modules-not-objects", "max-seq-length-null", "vocab-size-null"],
 )
-def test_malformed_side_files_name_the_file(tmp_path, name, text):
-    path = replace_file(checkpoint_copy(tmp_path), name, text)
+def test_malformed_side_files_name_the_file(checkpoint_copy, name, text):
+    path = replace_file(checkpoint_copy(), name, text)
     with pytest.raises(WeightsError, match=re.escape(str(path))):
         load_checkpoint(path.parent)
 

@@ -1,0 +1,268 @@
+"""Throughput of the exported model on ONNX Runtime (CPU) against sentence-transformers, in one run.
+
+    python bench/bench_model.py --model-dir build/model [--data-dir ../shared/data] [--out FILE.json]
+
+Every setup embeds the same sentences (STS-B dev, else the project's parity sentences repeated), texts in
+and vectors out, tokenization included, with the same thread count:
+- sentence-transformers on torch (device cpu; it sorts inputs by length itself), batch 32 and 128;
+- the model repository's session as the server builds it (export.optimize.cpu_session), batches of
+  length-sorted or unsorted (file order) sentences, batch 32 and 128;
+- the same session with ORT's SkipLayerNormFusion switched back on, batch 32 sorted.
+Each setup runs --repeats times after a warm-up; the fastest run is reported (the machine is shared).
+Writes a markdown table to stdout and JSON to --out (default build/bench/model.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, cpu_session
+from export.parity import CARRIED_SENTENCES, length_sorted, onnx_embedder
+from model.data import read_sts, sts_path
+from model.tokenizer import Tokenizer
+
+BATCHES = (32, 128)
+EmbedTexts = Callable[[list[str]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Workload:
+    texts: list[str]
+    lengths: list[int]  # real tokens per text, after truncation
+    repeats: int
+
+
+@dataclass
+class Result:
+    engine: str
+    order: str
+    batch: int
+    seconds: float  # fastest of the repeats
+    all_seconds: list[float]
+    sentences_per_s: float
+    tokens_per_s: float
+    padding_fraction: float  # padded positions / all positions fed to the model
+    ratio_vs_st: float = 0.0  # sentences/s over sentence-transformers' at the same batch size
+    max_abs_diff_vs_st: float = 0.0  # against sentence-transformers' vectors at batch 32
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=Path("build/model"), help="model repository")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=os.environ.get("EMBED_DATA_DIR") or None,
+        help="directory holding stsbenchmark/ [env EMBED_DATA_DIR]; without it, the carried sentences",
+    )
+    p.add_argument("--out", type=Path, default=Path("build/bench/model.json"))
+    p.add_argument("--sentences", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    return p.parse_args()
+
+
+def sentences(data_dir: Path | None, n: int) -> tuple[list[str], str]:
+    """The first n distinct STS-B dev sentences in file order, or the carried ones repeated."""
+    if data_dir is not None:
+        pairs = read_sts(sts_path(data_dir, "dev"))
+        texts = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))
+        return texts[:n], "sts-b dev"
+    carried = CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines()
+    return (carried * (n // len(carried) + 1))[:n], "export/parity_sentences.txt repeated"
+
+
+def fused_session(path: Path, threads: int) -> ort.InferenceSession:
+    """cpu_session's settings, but every ORT graph optimisation on (SkipLayerNormFusion included)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), options, providers=[CPU_PROVIDER])
+
+
+def skip_layer_norm_nodes(path: Path, disabled: list[str]) -> int:
+    """SkipLayerNormalization nodes in the graph ORT actually runs, with these optimizers disabled:
+    shows whether the fusion the server switches off fires on this model at all."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(str(path), options, providers=[CPU_PROVIDER], disabled_optimizers=disabled)
+        graph = onnx.load(options.optimized_model_filepath).graph
+    return sum(node.op_type == "SkipLayerNormalization" for node in graph.node)
+
+
+def onnx_texts(session: ort.InferenceSession, tokenizer: Tokenizer, batch: int, sort: bool) -> EmbedTexts:
+    embed = onnx_embedder(session, batch)
+    run = length_sorted(embed) if sort else embed
+    return lambda texts: run(tokenizer.encode(texts).ids)
+
+
+def st_texts(weights_dir: Path, max_length: int) -> Callable[[int], EmbedTexts]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(weights_dir), device="cpu", local_files_only=True)
+    model.max_seq_length = max_length
+
+    def at_batch(batch: int) -> EmbedTexts:
+        return lambda texts: np.asarray(model.encode(texts, batch_size=batch, convert_to_numpy=True))
+
+    return at_batch
+
+
+def batch_order(work: Workload, order: str) -> list[int]:
+    """The order rows reach the model: ST sorts by text length (longest first), we by token count."""
+    n = len(work.texts)
+    if order == "sorted by ST":
+        return sorted(range(n), key=lambda i: -len(work.texts[i]))
+    if order == "length-sorted":
+        return sorted(range(n), key=lambda i: work.lengths[i])
+    return list(range(n))
+
+
+def padding_fraction(work: Workload, order: str, batch: int) -> float:
+    """Share of the positions the model computes that are padding, for this batching."""
+    ordered = [work.lengths[i] for i in batch_order(work, order)]
+    chunks = [ordered[i : i + batch] for i in range(0, len(ordered), batch)]
+    return 1.0 - sum(ordered) / sum(len(c) * max(c) for c in chunks)
+
+
+@dataclass(frozen=True)
+class Setup:
+    engine: str
+    order: str
+    batch: int
+    embed: EmbedTexts
+
+
+def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) -> list[Setup]:
+    """Every setup measured, sentence-transformers first (its batch-32 vectors are the reference)."""
+    st = st_texts(weights_dir, tokenizer.max_length)
+    found = [Setup("sentence-transformers (torch)", "sorted by ST", batch, st(batch)) for batch in BATCHES]
+    model = args.model_dir / "model.onnx"
+    session = cpu_session(model, args.threads)
+    for batch in BATCHES:
+        for sort in (True, False):
+            order = "length-sorted" if sort else "unsorted"
+            found.append(
+                Setup("onnx (server settings)", order, batch, onnx_texts(session, tokenizer, batch, sort))
+            )
+    fused = onnx_texts(fused_session(model, args.threads), tokenizer, 32, sort=True)
+    found.append(Setup("onnx + SkipLayerNormFusion", "length-sorted", 32, fused))
+    return found
+
+
+def timings(found: list[Setup], work: Workload) -> tuple[list[list[float]], list[np.ndarray]]:
+    """Seconds per repeat and the vectors of each setup. The repeats go round the setups in turn, so a
+    change in the machine's load (it is shared) hits every setup alike rather than the last ones."""
+    for setup in found:
+        setup.embed(work.texts[:64])  # warm-up: first-run allocations and kernel selection
+    times: list[list[float]] = [[] for _ in found]
+    vectors: list[np.ndarray] = [np.empty(0) for _ in found]
+    for _ in range(work.repeats):
+        for i, setup in enumerate(found):
+            start = time.perf_counter()
+            vectors[i] = setup.embed(work.texts)
+            times[i].append(time.perf_counter() - start)
+    return times, vectors
+
+
+def result(setup: Setup, times: list[float], work: Workload) -> Result:
+    best = min(times)
+    return Result(
+        engine=setup.engine,
+        order=setup.order,
+        batch=setup.batch,
+        seconds=best,
+        all_seconds=[round(t, 4) for t in times],
+        sentences_per_s=len(work.texts) / best,
+        tokens_per_s=sum(work.lengths) / best,
+        padding_fraction=padding_fraction(work, setup.order, setup.batch),
+    )
+
+
+def run_all(found: list[Setup], work: Workload) -> list[Result]:
+    times, vectors = timings(found, work)
+    results = [result(setup, t, work) for setup, t in zip(found, times, strict=True)]
+    baseline = {r.batch: r.sentences_per_s for r in results if r.engine.startswith("sentence")}
+    for r, v in zip(results, vectors, strict=True):
+        r.ratio_vs_st = r.sentences_per_s / baseline[r.batch]
+        r.max_abs_diff_vs_st = float(np.abs(v - vectors[0]).max())
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| engine | order | batch | sentences/s | real tokens/s | vs ST | padding | max abs diff vs ST |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.engine} | {r.order} | {r.batch} | {r.sentences_per_s:.0f} | {r.tokens_per_s:.0f} "
+            f"| {r.ratio_vs_st:.2f}x | {r.padding_fraction:.0%} | {r.max_abs_diff_vs_st:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    manifest = json.loads((args.model_dir / "manifest.json").read_text(encoding="utf-8"))
+    tokenizer = Tokenizer(args.model_dir / "tokenizer.json", manifest["max_input_tokens"])
+    texts, source = sentences(args.data_dir, args.sentences)
+    work = Workload(texts, tokenizer.encode(texts).lengths, args.repeats)
+    load_before = os.getloadavg()[0]
+    results = run_all(setups(args, tokenizer, Path(manifest["source"])), work)
+    load = (load_before, os.getloadavg()[0])
+    print(
+        f"{len(texts)} sentences ({source}), {sum(work.lengths)} real tokens, {args.threads} threads, "
+        f"best of {args.repeats}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after\n"
+    )
+    print(table(results))
+    model = args.model_dir / "model.onnx"
+    fusion = {
+        "server_settings": skip_layer_norm_nodes(model, list(CPU_DISABLED_OPTIMIZERS)),
+        "all_optimizers": skip_layer_norm_nodes(model, []),
+    }
+    print(
+        f"\nSkipLayerNormalization nodes after ORT's optimisation: {fusion['server_settings']} with the "
+        f"server's settings, {fusion['all_optimizers']} with SkipLayerNormFusion on"
+    )
+    report = {
+        "model_dir": str(args.model_dir),
+        "onnx_sha256": manifest["onnx_sha256"],
+        "sentences": len(texts),
+        "source": source,
+        "real_tokens": sum(work.lengths),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": load},
+        "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
+        "skip_layer_norm_nodes": fusion,
+        "results": [asdict(r) for r in results],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

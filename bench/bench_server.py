@@ -1,0 +1,167 @@
+"""Throughput and latency of the gRPC server on STS-B sentences, against baselines from the same run.
+
+    python bench/bench_server.py --model-dir build/model [--data-dir ../shared/data] [--seconds 6]
+
+Baselines, measured in the same run on the same machine:
+- ceiling: in-process ONNX Runtime on length-sorted batches of 32 (its best batch here), no gRPC;
+- unbatched: the same server started with --max-batch-size 1.
+The load generator is one asyncio process sharing the machine's cores with the server.
+Writes a markdown table to stdout and JSON to build/bench/server.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from client.client import AsyncEmbeddingClient, embed_request
+from export.optimize import cpu_session
+from model.data import read_sts, sts_path
+from model.tokenizer import Tokenizer, pad_batch
+from tests.server_process import start_server
+
+CONCURRENCY = (1, 16, 64, 256)
+
+
+@dataclass
+class Row:
+    setup: str
+    concurrency: int
+    inputs_per_request: int
+    requests: int
+    errors: int
+    sentences_per_s: float
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+
+def sentences(data_dir: Path | None) -> list[str]:
+    if data_dir is not None:
+        pairs = read_sts(sts_path(data_dir, "dev"))
+        return [s for p in pairs for s in (p.first, p.second)]
+    carried = Path(__file__).resolve().parents[1] / "export" / "parity_sentences.txt"
+    return carried.read_text(encoding="utf-8").splitlines() * 50
+
+
+def ceiling(model_dir: Path, texts: list[str], batch: int = 32, threads: int = 0) -> Row:
+    tokenizer = Tokenizer(model_dir / "tokenizer.json", 256)
+    rows = sorted(tokenizer.encode(texts).ids, key=len)
+    session = cpu_session(model_dir / "model.onnx", threads)
+    batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
+    session.run(None, {"input_ids": batches[0][0], "lengths": batches[0][1]})
+    started = time.perf_counter()
+    for ids, lengths in batches:
+        session.run(None, {"input_ids": ids, "lengths": lengths})
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r) for r in rows)
+    return Row(
+        "in-process ORT (ceiling)", 0, batch, len(batches), 0, len(rows) / seconds, tokens / seconds, 0, 0
+    )
+
+
+async def load(address: str, texts: list[str], concurrency: int, per_request: int, seconds: float) -> Row:
+    rng = random.Random(concurrency * 1000 + per_request)
+    latencies: list[float] = []
+    totals = {"inputs": 0, "tokens": 0, "errors": 0}
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(client: AsyncEmbeddingClient) -> None:
+        while time.perf_counter() < stop_at:
+            batch = rng.sample(texts, per_request)
+            started = time.perf_counter()
+            try:
+                response = await client.embed_response(embed_request(batch))
+            except Exception:
+                totals["errors"] += 1
+                continue
+            latencies.append(time.perf_counter() - started)
+            totals["inputs"] += per_request
+            totals["tokens"] += response.total_tokens
+
+    async with AsyncEmbeddingClient(address, timeout=60) as client:
+        await client.embed(texts[:4])  # connect
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    lat = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
+    return Row(
+        "", concurrency, per_request, len(latencies), totals["errors"],
+        totals["inputs"] / elapsed, totals["tokens"] / elapsed,
+        float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
+    )  # fmt: skip
+
+
+def run_server_levels(
+    setup: str, flags: list[str], texts: list[str], plan: list[tuple[int, int]], seconds: float
+) -> list[Row]:
+    server = start_server(*flags, metrics=False).wait_serving()
+    try:
+        rows = []
+        for concurrency, per_request in plan:
+            row = asyncio.run(load(server.address, texts, concurrency, per_request, seconds))
+            row.setup = setup
+            rows.append(row)
+            print(f"  {setup} c={concurrency} x{per_request}: {row.tokens_per_s:,.0f} tok/s", file=sys.stderr)
+        return rows
+    finally:
+        server.stop()
+
+
+def table(rows: list[Row], ceil: Row, unbatched: dict[int, float]) -> str:
+    head = (
+        "| setup | conc. | inputs/req | sentences/s | real tokens/s | x ceiling | x unbatched "
+        "| p50 ms | p99 ms | errors |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for r in [ceil, *rows]:
+        vs_unbatched = (
+            r.tokens_per_s / unbatched[r.concurrency]
+            if r.inputs_per_request == 1 and r.concurrency in unbatched
+            else None
+        )
+        lines.append(
+            f"| {r.setup} | {r.concurrency or '-'} | {r.inputs_per_request} | {r.sentences_per_s:,.0f} | "
+            f"{r.tokens_per_s:,.0f} | {r.tokens_per_s / ceil.tokens_per_s:.2f} | "
+            f"{f'{vs_unbatched:.1f}' if vs_unbatched else '-'} | "
+            f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=Path("build/model"))
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--seconds", type=float, default=6.0, help="load duration per level")
+    p.add_argument("--out", type=Path, default=Path("build/bench/server.json"))
+    args = p.parse_args()
+    texts = sentences(args.data_dir)
+    ceil = ceiling(args.model_dir, texts)
+    big_queue = ["--queue-limit", "16384", "--model-dir", str(args.model_dir)]
+    single = [(c, 1) for c in CONCURRENCY]
+    batched = run_server_levels(
+        "server", big_queue, texts, single + [(c, 32) for c in CONCURRENCY], args.seconds
+    )
+    unbatched_rows = run_server_levels(
+        "server, max batch 1", [*big_queue, "--max-batch-size", "1"], texts, single, args.seconds
+    )
+    unbatched = {r.concurrency: r.tokens_per_s for r in unbatched_rows}
+    print(table(batched + unbatched_rows, ceil, unbatched))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"ceiling": asdict(ceil), "rows": [asdict(r) for r in batched + unbatched_rows]}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

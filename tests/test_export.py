@@ -1,0 +1,212 @@
+"""`python -m export`: bad input fails cleanly, a real export is complete and deterministic, and the
+parity gate refuses a model that does not match."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export.onnx import OPSET
+from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, cpu_session
+from export.parity import MAX_ABS_DIFF, MAX_SPEARMAN_GAP, MIN_COSINE, ParityError, compare, run_parity
+from model.tokenizer import pad_batch
+from model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
+
+ROOT = Path(__file__).resolve().parent.parent
+REPOSITORY_FILES = {"model.onnx", "tokenizer.json", "manifest.json"}
+CHECK_NAMES = [
+    "1 pytorch vs sentence-transformers",
+    "2 onnx vs pytorch",
+    "3 batch invariance (onnx)",
+    "4 sts-b dev spearman (onnx vs ref)",
+]
+SENTENCES = ["A man is playing a guitar.", "ok", "Two dogs are running through a field of tall grass."]
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it, without a data directory (EMBED_DATA_DIR would supply one)."""
+    env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
+    command = [sys.executable, "-m", "export", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One real export of the default weights into an empty directory (about 20 s)."""
+    out = tmp_path_factory.mktemp("export") / "out"
+    result = run_export("--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def manifest(exported) -> dict:
+    out, _ = exported
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def built_manifest(model_dir) -> dict:
+    return json.loads((model_dir / "manifest.json").read_text())
+
+
+def bad_input(case: str, tmp_path: Path, checkpoint_copy) -> tuple[list[str], Path]:
+    """CLI arguments for one kind of bad input, and the file the error must name."""
+    if case == "nonexistent weights":
+        return ["--weights", str(tmp_path / "nowhere")], tmp_path / "nowhere"
+    if case == "not a checkpoint":
+        (tmp_path / "empty").mkdir()
+        return ["--weights", str(tmp_path / "empty")], tmp_path / "empty"
+    if case == "checksum mismatch":
+        return ["--sha256", "0" * 64], default_weights_dir() / WEIGHTS_FILE
+    assert case == "unrepresentable config"
+    directory = checkpoint_copy({"num_attention_heads": 7})
+    return ["--weights", str(directory)], directory / "config.json"
+
+
+@pytest.mark.parametrize(
+    "case", ["nonexistent weights", "not a checkpoint", "checksum mismatch", "unrepresentable config"]
+)
+def test_bad_input_exits_2_with_one_line_naming_the_file(case, tmp_path, checkpoint_copy):
+    args, culprit = bad_input(case, tmp_path, checkpoint_copy)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_export(*args, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("export: error: ")
+    assert str(culprit) in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out/, no staging directory
+
+
+def test_export_writes_a_complete_repository_and_nothing_else(exported):
+    out, result = exported
+    assert {p.name for p in out.iterdir()} == REPOSITORY_FILES
+    assert [p.name for p in out.parent.iterdir()] == ["out"]  # the staging directory is gone
+    tokenizer_file = default_weights_dir() / "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+    assert result.stdout.rstrip().endswith(f"export: wrote {out} (parity passed)")
+    assert "Traceback" not in result.stderr
+
+
+def test_manifest_describes_the_export(exported, manifest, encoder_and_checkpoint):
+    out, _ = exported
+    _, checkpoint = encoder_and_checkpoint
+    assert manifest["model_id"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert manifest["weights_sha256"] == DEFAULT_SHA256
+    assert manifest["onnx_sha256"] == sha256_file(out / "model.onnx")
+    assert manifest["config"] == checkpoint.config.to_dict()
+    assert manifest["dimensions"] == 384 and manifest["max_input_tokens"] == 256
+    assert manifest["pooling"] == "mean" and manifest["normalize"] is True
+    assert manifest["opset"] == OPSET == 17
+    assert manifest["ir_version"] <= 13
+    [graph] = manifest["graphs"]  # no int8 graph: that needs a data directory to calibrate
+    assert graph["provider"] == CPU_PROVIDER and graph["file"] == "model.onnx"
+    assert graph["precision"] == "fp32"
+    assert graph["disabled_optimizers"] == list(CPU_DISABLED_OPTIMIZERS)
+
+
+def test_manifest_records_every_parity_check_passed(manifest):
+    parity = manifest["parity"]
+    assert [c["name"] for c in parity["checks"]] == CHECK_NAMES
+    assert all(c["passed"] for c in parity["checks"])
+    for check in parity["checks"][:3]:
+        assert check["min_cosine"] >= MIN_COSINE
+    for check in parity["checks"][:2]:
+        assert check["max_abs_diff"] <= MAX_ABS_DIFF
+    assert parity["checks"][3]["note"] == "skipped: no data directory given"
+
+
+def test_onnx_model_passes_the_checker_with_the_declared_versions(exported, manifest):
+    out, _ = exported
+    onnx.checker.check_model(str(out / "model.onnx"), full_check=True)
+    model = onnx.load(str(out / "model.onnx"))
+    assert model.ir_version == manifest["ir_version"]
+    assert {o.domain: o.version for o in model.opset_import}[""] == OPSET
+    assert [i.name for i in model.graph.input] == ["input_ids", "lengths"]
+    assert [o.name for o in model.graph.output] == ["embeddings", "pooled"]
+
+
+def test_export_is_deterministic(exported, model_dir, built_manifest):
+    out, _ = exported
+    digest = sha256_file(out / "model.onnx")
+    assert digest == sha256_file(model_dir / "model.onnx"), f"{model_dir} holds a different model.onnx"
+    assert digest == built_manifest["onnx_sha256"]
+
+
+def test_exported_model_matches_pytorch_on_dynamic_shapes(exported, encoder_and_checkpoint, tokenizer):
+    out, _ = exported
+    encoder, _ = encoder_and_checkpoint
+    session = cpu_session(out / "model.onnx", threads=1)
+    for texts in (SENTENCES, SENTENCES[:1], ["word " * 400, "a"]):
+        ids, lengths = pad_batch(tokenizer.encode(texts).ids)
+        embeddings, pooled = session.run(None, {"input_ids": ids, "lengths": lengths})
+        with torch.no_grad():
+            want = encoder(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
+        np.testing.assert_allclose(pooled, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(embeddings, want / np.linalg.norm(want, axis=1, keepdims=True), atol=1e-5)
+
+
+def test_parity_gate_fails_a_perturbed_encoder(exported, encoder_and_checkpoint, tokenizer):
+    out, _ = exported
+    encoder, checkpoint = encoder_and_checkpoint
+    perturbed = copy.deepcopy(encoder)  # the shared encoder must stay untouched
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in perturbed.layers[3].parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
+    session = cpu_session(out / "model.onnx")  # exported from the unperturbed weights
+    # No sentence-transformers reference: check 1 is skipped, so check 2 alone must catch it.
+    report = run_parity(perturbed, session, tokenizer, checkpoint.directory, None, reference=False)
+    assert report.passed is False
+    by_name = {c.name: c for c in report.checks}
+    assert [c.name for c in report.checks if not c.passed] == ["2 onnx vs pytorch"]
+    onnx_vs_pytorch = by_name["2 onnx vs pytorch"].figures
+    assert onnx_vs_pytorch["max_abs_diff"] > MAX_ABS_DIFF or onnx_vs_pytorch["min_cosine"] < MIN_COSINE
+    assert by_name["3 batch invariance (onnx)"].passed
+    with pytest.raises(ParityError, match="2 onnx vs pytorch"):
+        report.raise_on_failure()
+
+
+def test_compare_reports_a_shape_error_apart_from_values():
+    check = compare("x", np.zeros((3, 4)), np.zeros((3, 5)))
+    assert not check.passed
+    assert check.note == "shape (3, 4) vs (3, 5)"
+    assert check.figures == {}
+
+
+def test_built_repository_parity_figures(built_manifest):
+    checks = {c["name"]: c for c in built_manifest["parity"]["checks"]}
+    assert list(checks) == CHECK_NAMES
+    assert all(c["passed"] for c in checks.values())
+    for name in CHECK_NAMES[:3]:
+        assert checks[name]["min_cosine"] >= MIN_COSINE, name
+    assert built_manifest["weights_sha256"] == DEFAULT_SHA256
+
+
+def test_built_repository_files_match_their_checksums(model_dir, built_manifest):
+    assert built_manifest["onnx_sha256"] == sha256_file(model_dir / "model.onnx")
+    for graph in built_manifest["graphs"]:
+        if "sha256" in graph:
+            assert graph["sha256"] == sha256_file(model_dir / graph["file"]), graph["file"]
+
+
+def test_built_repository_sts_b_spearman(built_manifest):
+    check = built_manifest["parity"]["checks"][3]
+    if "gap" not in check:
+        pytest.skip(f"the model repository was built without a data directory ({check.get('note')})")
+    assert check["gap"] <= MAX_SPEARMAN_GAP
+    assert abs(check["spearman_onnx"] - check["spearman_reference"]) <= MAX_SPEARMAN_GAP
+    # all-MiniLM-L6-v2 scores about 86.7 on STS-B dev; counting pad tokens as real cost 12.6 points.
+    assert check["spearman_onnx"] > 85

@@ -1,0 +1,103 @@
+"""Tokenization: no padding, truncation reported with the original length, any text tokenizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.tokenizer import Tokenizer, pad_batch
+
+CLS, SEP, UNK = 101, 102, 100
+
+
+def test_rows_are_not_padded(tokenizer):
+    out = tokenizer.encode(["a", "A man is playing a guitar.", "ok then"])
+    assert out.lengths == [3, 9, 4]
+    for row in out.ids:
+        assert row[0] == CLS and row[-1] == SEP
+        assert 0 not in row  # no [PAD]: the packaged tokenizer.json pads to 128 unless told not to
+    assert out.truncated == [False, False, False]
+    assert out.original_lengths == out.lengths
+
+
+def test_truncation_at_max_length_reports_the_original_length(tokenizer):
+    out = tokenizer.encode(["word " * 400, "word " * 254, "word " * 255])
+    assert out.lengths == [256, 256, 256]
+    assert out.truncated == [True, False, True]
+    assert out.original_lengths == [402, 256, 257]
+    assert out.ids[0][0] == CLS and out.ids[0][-1] == SEP  # cut inside the text, not the specials
+
+
+def test_truncation_follows_the_given_max_length(encoder_and_checkpoint):
+    _, checkpoint = encoder_and_checkpoint
+    short = Tokenizer(checkpoint.directory / "tokenizer.json", max_length=8)
+    out = short.encode(["one two three four five six seven eight nine", "one two"])
+    assert out.lengths == [8, 4]
+    assert out.truncated == [True, False]
+    assert out.original_lengths == [11, 4]
+
+
+def test_empty_string_is_cls_and_sep(tokenizer):
+    out = tokenizer.encode([""])
+    assert out.ids == [[CLS, SEP]]
+    assert out.truncated == [False]
+
+
+@pytest.mark.parametrize(
+    ("text", "inner"),
+    [
+        ("hello 😀", 2),  # the emoji is [UNK]
+        ("中文字", 3),  # one token per CJK character
+        ("a\x00b", 1),  # NUL is dropped by BERT's text cleaning
+        ("\x00", 0),
+        ("\x07\x1b\t\n\r", 0),  # control characters and whitespace only
+        ("café naïve", 2),  # accents stripped by the uncased normaliser
+        ("\u200b\ufeff", 0),  # zero-width space and byte-order mark
+    ],
+)
+def test_any_unicode_text_tokenizes(tokenizer, text, inner):
+    out = tokenizer.encode([text])
+    row = out.ids[0]
+    assert row[0] == CLS and row[-1] == SEP
+    assert len(row) == inner + 2
+    assert all(0 <= i < tokenizer.vocab_size for i in row)
+
+
+def test_emoji_becomes_unknown_token(tokenizer):
+    assert tokenizer.encode(["😀"]).ids == [[CLS, UNK, SEP]]
+
+
+def test_batch_and_one_by_one_agree(tokenizer):
+    texts = ["A man is playing a guitar.", "", "中文字 😀", "word " * 300]
+    together = tokenizer.encode(texts)
+    alone = [tokenizer.encode([t]) for t in texts]
+    assert together.ids == [a.ids[0] for a in alone]
+    assert together.original_lengths == [a.original_lengths[0] for a in alone]
+
+
+def test_vocab_size_is_bert_uncased(tokenizer):
+    assert tokenizer.vocab_size == 30522
+
+
+def test_pad_batch_pads_to_longest_row():
+    ids, lengths = pad_batch([[5, 6, 7], [8], [9, 10]])
+    assert ids.dtype == np.int64 and lengths.dtype == np.int64
+    assert ids.shape == (3, 3)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [8, 0, 0], [9, 10, 0]])
+    np.testing.assert_array_equal(lengths, [3, 1, 2])
+
+
+def test_pad_batch_uses_the_given_pad_id():
+    ids, lengths = pad_batch([[1], [2, 3, 4, 5]], pad_id=-1)
+    np.testing.assert_array_equal(ids, [[1, -1, -1, -1], [2, 3, 4, 5]])
+    np.testing.assert_array_equal(lengths, [1, 4])
+
+
+def test_pad_batch_of_tokenized_text(tokenizer):
+    tokenized = tokenizer.encode(["a", "", "A man is playing a guitar."])
+    ids, lengths = pad_batch(tokenized.ids)
+    assert ids.shape == (3, max(tokenized.lengths))
+    assert lengths.tolist() == tokenized.lengths
+    for row, n, original in zip(ids, lengths, tokenized.ids, strict=True):
+        assert row[:n].tolist() == original
+        assert not row[n:].any()
