@@ -121,7 +121,7 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
             f"max_batch_tokens {config.max_batch_tokens} cannot hold one input of "
             f"max_input_tokens {repo.max_input_tokens}"
         )
-    backend = OnnxBackend(repo, config.device, config.threads)
+    backend = OnnxBackend(repo, config.device, config.threads, config.precision)
     tokenizer = Tokenizer(repo.directory / "tokenizer.json", repo.max_input_tokens)
     limits = InputLimits(config.max_inputs_per_request, repo.max_input_tokens, config.max_text_chars)
     request_tokenizer = RequestTokenizer(tokenizer, limits)

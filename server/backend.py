@@ -43,10 +43,21 @@ class ModelRepository:
     def dimensions(self) -> int:
         return int(self.manifest["dimensions"])
 
-    def graph_for(self, provider: str) -> dict[str, Any]:
-        graphs = self.manifest["graphs"]
-        chosen = next((g for g in graphs if g["provider"] == provider), graphs[0])
-        return dict(chosen)
+    def graph_for(self, provider: str, precision: str) -> dict[str, Any]:
+        """The graph shipped for this provider: the asked precision, else the first listed for it."""
+        graphs = [g for g in self.manifest["graphs"] if g["provider"] == provider] or [
+            g for g in self.manifest["graphs"] if g["provider"] == CPU
+        ]
+        if precision == "auto":
+            return dict(graphs[0])
+        for g in graphs:
+            if g["precision"] == precision:
+                return dict(g)
+        shipped = ", ".join(sorted({g["precision"] for g in graphs}))
+        raise ModelRepositoryError(
+            f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped}); "
+            "int8 is built by `python -m export --data-dir ...`"
+        )
 
 
 def open_repository(directory: Path) -> ModelRepository:
@@ -59,6 +70,9 @@ def open_repository(directory: Path) -> ModelRepository:
         if not (directory / graph["file"]).is_file():
             raise ModelRepositoryError(f"{directory / graph['file']}: missing")
     _verify_checksum(directory / "model.onnx", manifest["onnx_sha256"])
+    for graph in manifest["graphs"]:
+        if "sha256" in graph and graph["file"] != "model.onnx":
+            _verify_checksum(directory / graph["file"], graph["sha256"])
     return ModelRepository(directory, manifest)
 
 
@@ -96,10 +110,10 @@ def _session_options(threads: int) -> ort.SessionOptions:
 class OnnxBackend:
     """`run(ids, lengths) -> (normalised, pooled)`, called from one worker thread at a time."""
 
-    def __init__(self, repo: ModelRepository, device: Device, threads: int) -> None:
+    def __init__(self, repo: ModelRepository, device: Device, threads: int, precision: str = "auto") -> None:
         started = time.perf_counter()
         providers = wanted_providers(device)
-        graph = repo.graph_for(providers[0])
+        graph = repo.graph_for(providers[0], precision)
         self.session = ort.InferenceSession(
             str(repo.directory / graph["file"]),
             _session_options(threads),

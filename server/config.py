@@ -28,6 +28,8 @@ class ServerConfig:
     address: str = "0.0.0.0:50051"
     model_dir: Path = Path("build/model")
     device: Device = "auto"
+    # auto: the provider's first graph (fp32 on the CPU); int8 is an opt-in on the CPU provider.
+    precision: str = "auto"
     # Padded tokens per batch (rows x longest row): bounds one model run's work and memory.
     max_batch_tokens: int = 1024
     max_batch_size: int = 32
@@ -71,6 +73,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+        if self.precision not in ("auto", "fp32", "fp16", "int8"):
+            raise ValueError(f"precision must be auto, fp32, fp16 or int8, not {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
 
@@ -82,6 +86,7 @@ _HELP = {
     "address": "gRPC listen address host:port (port 0 picks a free port)",
     "model_dir": "model repository written by `python -m export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
+    "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
     "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
     "max_batch_size": "rows per batch",
     "max_queue_delay_ms": "longest wait for a batch to fill before it runs",
