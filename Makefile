@@ -73,6 +73,10 @@ lock: $(STAMP)
 	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 -o requirements/runtime.txt
 
+# The long soak (10 minutes, 256 concurrent callers); `make test` runs the same test for 60 s.
+soak: $(STAMP) proto model
+	EMBED_SOAK_SECONDS=600 EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra tests/reliability/test_soak.py
+
 bench: bench-model bench-server
 
 bench-model: $(STAMP) proto model

@@ -31,6 +31,7 @@ from server.tokenization import InputLimits, RequestTokenizer
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_NOTICE_S = 1.0
 _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
 _PRECISION = {"fp32": pb.PRECISION_FP32, "fp16": pb.PRECISION_FP16, "int8": pb.PRECISION_INT8}
 
@@ -198,6 +199,9 @@ async def shutdown(app: App) -> None:
     app.readiness.reason = "the server is shutting down"
     app.metrics.ready.set(0)
     await set_serving(app.health, False)
+    # Let clients' health watches move new calls elsewhere before the listener closes: a call that
+    # arrives in the instant the server stops is cancelled by gRPC, and CANCELLED is not retried.
+    await asyncio.sleep(min(SHUTDOWN_NOTICE_S, app.config.drain_timeout_s))
     await app.server.stop(app.config.drain_timeout_s)
     await app.batcher.stop()
     log.info("stopped")

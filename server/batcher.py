@@ -117,18 +117,20 @@ class Batcher:
     def depth(self) -> int:
         return len(self._queue)
 
-    async def submit(self, rows: Sequence[Sequence[int]], deadline: float | None = None) -> list[Result]:
-        """Queue one request's rows; results come back in the rows' order."""
-        if len(rows) > self.limits.queue_limit:
-            raise InvalidInput(
-                f"{len(rows)} inputs can never fit the queue_limit of {self.limits.queue_limit}"
-            )
-        if len(self._queue) + len(rows) > self.limits.queue_limit:
+    def check_capacity(self, count: int) -> None:
+        """Refuse at once (before any tokenizing) when `count` more inputs cannot be queued."""
+        if count > self.limits.queue_limit:
+            raise InvalidInput(f"{count} inputs can never fit the queue_limit of {self.limits.queue_limit}")
+        if len(self._queue) + count > self.limits.queue_limit:
             self.metrics.refused.inc()
             raise Overloaded(
                 f"queue full: {len(self._queue)} inputs waiting, queue_limit is {self.limits.queue_limit}; "
                 "retry with backoff"
             )
+
+    async def submit(self, rows: Sequence[Sequence[int]], deadline: float | None = None) -> list[Result]:
+        """Queue one request's rows; results come back in the rows' order."""
+        self.check_capacity(len(rows))
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = [Pending(row, loop.create_future(), now, deadline) for row in rows]

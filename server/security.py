@@ -56,14 +56,18 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for embedding calls without `authorization: Bearer <token>`."""
 
     def __init__(self, token: str, metrics: Metrics) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._metrics = metrics
 
     def _authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
+                text = value if isinstance(value, str) else bytes(value).decode("latin-1")
+                scheme, _, given = text.partition(" ")
+                # The scheme is case-insensitive (RFC 7235 2.1); the token is compared in constant time.
+                return scheme.lower() == "bearer" and hmac.compare_digest(
+                    given.strip().encode(), self._expected
+                )
         return False
 
     async def intercept_service(

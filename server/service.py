@@ -156,6 +156,9 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         started = time.perf_counter()
         if not self.readiness.ready:
             raise NotReady(f"not serving: {self.readiness.reason}; retry")
+        count = len(request.texts) or len(request.token_ids)
+        self.tokenizer.check_count(count)
+        self.batcher.check_capacity(count)  # refuse overload before paying for tokenization
         prepared = await self._prepare(request)
         self.metrics.truncated.inc(sum(u.truncated for u in prepared.usage))
         results = await self.batcher.submit(prepared.rows, deadline)

@@ -1,0 +1,110 @@
+"""What the reliability tests observe of a server process: its /metrics and its resident memory."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import ServerProcess, wait_for
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One reading of /metrics: sample name and labels -> value."""
+
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.samples.get((name, frozenset(labels.items())), 0.0)
+
+    def requests(self, code: str, method: str = "Embed") -> float:
+        return self.value("embed_requests_total", method=method, code=code)
+
+    def dropped(self, reason: str) -> float:
+        return self.value("embed_inputs_dropped_total", reason=reason)
+
+    def __sub__(self, before: Scrape) -> Scrape:
+        """Counter increases since `before` (gauges come out as differences too: read those alone)."""
+        keys = self.samples.keys() | before.samples.keys()
+        return Scrape({k: self.samples.get(k, 0.0) - before.samples.get(k, 0.0) for k in keys})
+
+
+def metrics_text(server: ServerProcess, host: str = "127.0.0.1") -> str:
+    assert server.metrics_port is not None, "the server was started without metrics"
+    url = f"http://{host}:{server.metrics_port}/metrics"
+    return str(urllib.request.urlopen(url, timeout=10).read().decode())
+
+
+def scrape(server: ServerProcess, host: str = "127.0.0.1") -> Scrape:
+    return parse(metrics_text(server, host))
+
+
+def parse(text: str) -> Scrape:
+    samples = {
+        (s.name, frozenset(s.labels.items())): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    return Scrape(samples)
+
+
+def wait_idle(server: ServerProcess, timeout: float = 30.0) -> Scrape:
+    """Wait until the queue-depth and in-flight gauges read 0; the last reading."""
+    last: list[Scrape] = []
+
+    def idle() -> bool:
+        last[:] = [scrape(server)]
+        return last[0].value("embed_queue_depth") == 0 and last[0].value("embed_requests_in_flight") == 0
+
+    assert wait_for(idle, timeout, 0.2), f"gauges never returned to 0: {gauges(last[0])}"
+    return last[0]
+
+
+def gauges(s: Scrape) -> dict[str, float]:
+    return {name: s.value(name) for name in ("embed_queue_depth", "embed_requests_in_flight")}
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a live process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+@dataclass
+class RssSampler:
+    """Samples a process's resident memory every `interval` seconds in a thread: (time, bytes)."""
+
+    pid: int
+    interval: float = 1.0
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RssSampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), rss_bytes(self.pid)))
+            self._stop.wait(self.interval)
+
+    def window_median(self, start: float, end: float) -> float:
+        """Median resident bytes between two times: steady under the allocator's ups and downs."""
+        values = [b for t, b in self.samples if start <= t < end]
+        assert values, f"no memory samples between {start:.1f} and {end:.1f}"
+        return float(statistics.median(values))
