@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 MODEL_DIR ?= build/model
+# A fine-tuned checkpoint to serve instead of the packaged weights (with its own MODEL_DIR).
+WEIGHTS ?=
 # STS-B lives beside the checkout in CI and here, not on a user's machine: the product works without it.
 DATA_DIR ?= $(abspath $(wildcard ../shared/data))
 export EMBED_DATA_DIR := $(DATA_DIR)
@@ -32,8 +34,8 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 
 model: $(MODEL_DIR)/manifest.json
 
-$(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt
-	$(BIN)/python -m export --out $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+$(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt $(if $(WEIGHTS),$(WEIGHTS)/model.safetensors)
+	$(BIN)/python -m export --out $(MODEL_DIR) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 serve: $(STAMP) proto model
 	$(BIN)/python -m server --model-dir $(MODEL_DIR) --address 0.0.0.0:50051

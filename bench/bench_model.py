@@ -33,8 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, cpu_session
-from export.parity import CARRIED_SENTENCES, length_sorted, onnx_embedder
+from export.parity import CARRIED_SENTENCES, onnx_embedder
 from model.data import read_sts, sts_path
+from model.evaluate import length_sorted
 from model.tokenizer import Tokenizer
 
 BATCHES = (32, 128)

@@ -11,18 +11,16 @@ apart from value errors:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import torch
-from scipy.stats import spearmanr
 
 from model.data import ScoredPair, read_sts, sts_path
 from model.encoder import Encoder
-from model.tokenizer import Tokenizer, pad_batch
+from model.evaluate import BATCH, Embedder, batched, length_sorted, spearman_x100, torch_embedder
+from model.tokenizer import Tokenizer
 
 MIN_COSINE = 0.99999
 MAX_ABS_DIFF = 1e-5
@@ -30,10 +28,7 @@ MAX_SPEARMAN_GAP = 0.05
 # int8 is an opt-in precision with its own, looser gate.
 INT8_MAX_SPEARMAN_GAP = 0.5
 INT8_MIN_BATCH_COSINE = 0.999
-BATCH = 64
 CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
-
-Embedder = Callable[[list[list[int]]], np.ndarray]
 
 
 class ParityError(Exception):
@@ -108,41 +103,11 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, max_abs: float | None 
     return Check(name, passed, figures)
 
 
-def _batched(
-    rows: Sequence[list[int]], run: Callable[[np.ndarray, np.ndarray], np.ndarray], batch: int
-) -> np.ndarray:
-    """Run rows in batches in the order given; (N, D) out."""
-    return np.concatenate([run(*pad_batch(list(rows[i : i + batch]))) for i in range(0, len(rows), batch)])
-
-
-def length_sorted(embed: Embedder) -> Embedder:
-    """Batch rows of similar length together (little padding), return them in the caller's order."""
-
-    def run(rows: list[list[int]]) -> np.ndarray:
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        ordered = embed([rows[i] for i in order])
-        out = np.empty_like(ordered)
-        out[order] = ordered
-        return out
-
-    return run
-
-
-def torch_embedder(encoder: Encoder, batch: int = BATCH) -> Embedder:
-    assert not encoder.training, "parity needs the encoder in eval mode (dropout off)"
-
-    def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return encoder.embed(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
-
-    return lambda rows: _batched(rows, run, batch)
-
-
 def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH) -> Embedder:
     def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.asarray(session.run(["embeddings"], {"input_ids": ids, "lengths": lengths})[0])
 
-    return lambda rows: _batched(rows, run, batch)
+    return lambda rows: batched(rows, run, batch)
 
 
 def reference_embed(weights_dir: Path, texts: list[str], max_length: int) -> np.ndarray:
@@ -152,13 +117,6 @@ def reference_embed(weights_dir: Path, texts: list[str], max_length: int) -> np.
     reference = SentenceTransformer(str(weights_dir), device="cpu", local_files_only=True)
     reference.max_seq_length = max_length
     return np.asarray(reference.encode(texts, batch_size=BATCH, convert_to_numpy=True))
-
-
-def spearman_x100(vectors: dict[str, np.ndarray], pairs: list[ScoredPair]) -> float:
-    a = np.stack([vectors[p.first] for p in pairs])
-    b = np.stack([vectors[p.second] for p in pairs])
-    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return float(spearmanr(cosine, [p.score for p in pairs]).statistic * 100)
 
 
 def edge_rows(tokenizer: Tokenizer, cls_id: int, sep_id: int) -> list[list[int]]:

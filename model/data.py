@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,17 +26,30 @@ def sts_path(data_dir: Path, split: str) -> Path:
     raise DataError(f"{data_dir}: no STS Benchmark {split} split (sts-{split}.csv)")
 
 
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) for each line; bytes that are not UTF-8 are a DataError naming the line."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                ) from e
+
+
 def read_sts(path: Path) -> list[ScoredPair]:
     """STS-B rows, read by position with quoting off: some rows carry two extra source columns."""
     pairs = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) < 7:
-                raise DataError(f"{path}:{number}: expected at least 7 tab-separated fields")
-            try:
-                score = float(fields[4])
-            except ValueError as e:
-                raise DataError(f"{path}:{number}: score {fields[4]!r} is not a number") from e
-            pairs.append(ScoredPair(fields[5], fields[6], score))
+    for number, line in utf8_lines(path):
+        fields = line.rstrip("\n").split("\t")
+        if len(fields) < 7:
+            raise DataError(f"{path}:{number}: expected at least 7 tab-separated fields")
+        try:
+            score = float(fields[4])
+        except ValueError as e:
+            raise DataError(f"{path}:{number}: score {fields[4]!r} is not a number") from e
+        pairs.append(ScoredPair(fields[5], fields[6], score))
+    if not pairs:
+        raise DataError(f"{path}: no scored pairs (the file is empty)")
     return pairs

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from export.parity import length_sorted, spearman_x100, torch_embedder
 from model.config import EncoderConfig
-from model.data import DataError, ScoredPair, read_sts, sts_path
+from model.data import DataError, ScoredPair, read_sts, sts_path, utf8_lines
 from model.encoder import Encoder
+from model.evaluate import length_sorted, spearman_x100, torch_embedder
 from model.tokenizer import Tokenizer, pad_batch
 from model.weights import WeightsError, default_weights_dir, load_checkpoint, save_checkpoint
 
@@ -95,7 +95,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="evaluate dev Spearman and save a checkpoint every N steps (default: only at the end)",
     )
-    return p.parse_args(argv)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)  # exit status 2, with the usage
+    return args
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers given, if anything."""
+    for name in ("batch_size", "epochs", "layers", "hidden", "heads", "max_seq_length", "threads"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
+    for name in ("max_steps", "lr"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}"
+    if args.warmup is not None and args.warmup < 0:
+        return f"--warmup must be at least 0, not {args.warmup}"
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} is not divisible by --heads {args.heads}"
+    return None
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -134,18 +154,6 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) for each line; bytes that are not UTF-8 are a DataError naming the line."""
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}:{number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
-                ) from e
-
-
 def _pair(path: Path, number: int, line: str) -> tuple[str, str]:
     try:
         row = json.loads(line)
@@ -170,11 +178,10 @@ def read_pairs(path: Path) -> list[tuple[str, str]]:
 
 
 def read_scored(path: Path) -> list[ScoredPair]:
-    for _ in utf8_lines(path):  # read_sts names no line for bytes that are not UTF-8
-        pass
-    pairs = read_sts(path)
-    if not pairs:
-        raise DataError(f"{path}: no scored pairs (the file is empty)")
+    pairs = read_sts(path)  # one pair per line: any other line is an error there
+    for number, pair in enumerate(pairs, start=1):
+        if not 0.0 <= pair.score <= 5.0:
+            raise DataError(f"{path}:{number}: score {pair.score} is outside 0-5")
     return pairs
 
 
@@ -238,6 +245,10 @@ def build_model(args: argparse.Namespace) -> tuple[Encoder, Path, str]:
     vocab = Tokenizer(weights / "tokenizer.json", args.max_seq_length).vocab_size
     model = Encoder(scratch_config(args, vocab))
     model.apply(init_weights)
+    if args.position == "sinusoidal":
+        # The table's entries are of size 1: word embeddings of size 0.02 would drown in it, and
+        # mean pooling would return mostly position (dev Spearman ~10 after 400 steps, measured).
+        nn.init.normal_(model.embeddings.word.weight, std=1.0)
     name = f"scratch-{args.position}-{args.layers}x{args.hidden}"
     return model, weights / "tokenizer.json", name
 
@@ -363,10 +374,15 @@ def train_step(run: Run, batch: Batch) -> float:
     return float(loss.detach())
 
 
-def mean_loss(history: list[dict[str, float]], last: bool) -> float:
+def loss_window(history: list[dict[str, float]], last: bool) -> list[float]:
+    """The first or last LOSS_WINDOW losses; at most half of them in a short run, so they differ."""
     losses = [h["loss"] for h in history if "loss" in h]
-    window = losses[-LOSS_WINDOW:] if last else losses[:LOSS_WINDOW]
-    return sum(window) / max(1, len(window))
+    n = min(LOSS_WINDOW, max(1, len(losses) // 2))
+    return losses[-n:] if last else losses[:n]
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -374,12 +390,13 @@ def mean_loss(history: list[dict[str, float]], last: bool) -> float:
 
 @dataclass(frozen=True)
 class Summary:
+    first_step: int
     steps: int
     seconds: float
     spearman_before: float | None
     spearman_after: float | None
-    loss_first: float
-    loss_last: float
+    loss_first: list[float]
+    loss_last: list[float]
 
     def lines(self, out: Path) -> list[str]:
         def fmt(x: float | None) -> str:
@@ -388,8 +405,10 @@ class Summary:
         return [
             f"train: STS-B dev Spearman x100 before {fmt(self.spearman_before)}, "
             f"after {fmt(self.spearman_after)}",
-            f"train: {self.steps} steps in {self.seconds:.0f} s; loss {self.loss_first:.4f} -> "
-            f"{self.loss_last:.4f} (mean of the first and last {LOSS_WINDOW} steps)",
+            f"train: steps {self.first_step}-{self.steps} in {self.seconds:.0f} s "
+            "(the evaluations before and after not counted)",
+            f"train: loss {mean(self.loss_first):.4f} -> {mean(self.loss_last):.4f} "
+            f"(mean of the first and last {len(self.loss_last)} steps)",
             f"train: wrote {out}",
         ]
 
@@ -412,7 +431,16 @@ def evaluate(run: Run, dev: DevSet | None) -> float | None:
         return None
     score = dev.spearman(run.model)
     run.history.append({"step": run.step, "dev_spearman": score})
+    tqdm.write(f"step {run.step}: STS-B dev Spearman x100 {score:.2f}")
     return score
+
+
+def checkpoint(run: Run, dev: DevSet | None, save_to: Callable[[], None]) -> None:
+    """Mid-run: log the recent loss and the dev metric, and save what --resume needs."""
+    recent = loss_window(run.history, last=True)
+    tqdm.write(f"step {run.step}: loss {mean(recent):.4f} (mean of the last {len(recent)} steps)")
+    evaluate(run, dev)
+    save_to()
 
 
 def fit(
@@ -427,22 +455,11 @@ def fit(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if args.eval_every and run.step % args.eval_every == 0 and run.step < total:
-                score = evaluate(run, dev)
-                shown = "" if score is None else f", dev spearman {score:.2f}"
-                tqdm.write(f"step {run.step}: loss {mean_loss(run.history, last=True):.4f}{shown}")
-                save_to()
+                checkpoint(run, dev, save_to)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "epochs", "layers", "hidden", "heads", "max_seq_length"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise ValueError(f"--max-steps must be at least 1, not {args.max_steps}")
-
-
-def train(args: argparse.Namespace) -> Summary:
-    check_args(args)
+def prepare(args: argparse.Namespace) -> tuple[Run, TrainingData, DevSet | None, Callable[[], None]]:
+    """The run to continue (fresh or resumed), its data, the dev set, and how to save it."""
     texts = read_training_data(args)  # before the model: a bad file fails fast
     seed_everything(args.seed)
     model, tokenizer_file, model_id = build_model(args)
@@ -453,23 +470,28 @@ def train(args: argparse.Namespace) -> Summary:
     run = make_run(args, model, total_steps(args, data))
     if args.resume is not None:
         restore(run, args.resume)
-    started = time.perf_counter()
+    return run, data, dev, lambda: save(run, tokenizer_file, args.out, model_id)
+
+
+def train(args: argparse.Namespace) -> Summary:
+    run, data, dev, save_to = prepare(args)
+    first = run.step
     before = evaluate(run, dev)
-    fit(run, data, dev, args, lambda: save(run, tokenizer_file, args.out, model_id))
-    after = evaluate(run, dev)
+    started = time.perf_counter()
+    fit(run, data, dev, args, save_to)
     seconds = time.perf_counter() - started
-    save(run, tokenizer_file, args.out, model_id)
-    return Summary(
-        run.step, seconds, before, after, mean_loss(run.history, False), mean_loss(run.history, True)
-    )
+    after = evaluate(run, dev)
+    save_to()
+    losses = loss_window(run.history, last=False), loss_window(run.history, last=True)
+    return Summary(first, run.step, seconds, before, after, *losses)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     try:
         summary = train(args)
-    except (DataError, WeightsError, OSError, ValueError) as e:
+    except (DataError, WeightsError, OSError) as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines(args.out)))

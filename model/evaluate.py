@@ -1,0 +1,54 @@
+"""Evaluation helpers shared by the parity gate and training: batched embedding, STS Spearman."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+
+from model.data import ScoredPair
+from model.encoder import Encoder
+from model.tokenizer import pad_batch
+
+BATCH = 64
+
+Embedder = Callable[[list[list[int]]], np.ndarray]
+
+
+def batched(
+    rows: Sequence[list[int]], run: Callable[[np.ndarray, np.ndarray], np.ndarray], batch: int
+) -> np.ndarray:
+    """Run rows in batches in the order given; (N, D) out."""
+    return np.concatenate([run(*pad_batch(list(rows[i : i + batch]))) for i in range(0, len(rows), batch)])
+
+
+def length_sorted(embed: Embedder) -> Embedder:
+    """Batch rows of similar length together (little padding), return them in the caller's order."""
+
+    def run(rows: list[list[int]]) -> np.ndarray:
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        ordered = embed([rows[i] for i in order])
+        out = np.empty_like(ordered)
+        out[order] = ordered
+        return out
+
+    return run
+
+
+def torch_embedder(encoder: Encoder, batch: int = BATCH) -> Embedder:
+    assert not encoder.training, "evaluation needs the encoder in eval mode (dropout off)"
+
+    def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return encoder.embed(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
+
+    return lambda rows: batched(rows, run, batch)
+
+
+def spearman_x100(vectors: dict[str, np.ndarray], pairs: list[ScoredPair]) -> float:
+    a = np.stack([vectors[p.first] for p in pairs])
+    b = np.stack([vectors[p.second] for p in pairs])
+    cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return float(spearmanr(cosine, [p.score for p in pairs]).statistic * 100)

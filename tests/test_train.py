@@ -1,0 +1,129 @@
+"""model.train: a tiny encoder learns on CPU, its checkpoint exports through the parity gate, it
+resumes exactly where it stopped, and bad training data is refused with one line naming the line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--init", "scratch", "--hidden", "32", "--layers", "2", "--heads", "2", "--max-seq-length", "32"]
+COLOURS = ["red", "blue", "green", "black"]
+ANIMALS = ["cat", "dog", "horse", "bird"]
+
+
+@pytest.fixture(autouse=True)
+def no_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train without STS-B dev evaluation, whatever the environment says: the tests bring their data."""
+    monkeypatch.delenv("EMBED_DATA_DIR", raising=False)
+
+
+def write_pairs(path: Path) -> Path:
+    rows = [
+        {"anchor": f"the {c} {a} is sleeping", "positive": f"a {c} {a} sleeps"}
+        for c in COLOURS
+        for a in ANIMALS
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def write_scored(path: Path) -> Path:
+    rows = [
+        f"g\ts\t2012\t{i:04d}\t{5.0 if c == d else 1.0}\tthe {c} {a} runs.\ta {d} {a} is running."
+        for i, (c, d, a) in enumerate((c, d, a) for c in COLOURS for d in COLOURS[:2] for a in ANIMALS[:2])
+    ]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def losses(checkpoint: Path) -> list[float]:
+    lines = (checkpoint / train.LOG_FILE).read_text(encoding="utf-8").splitlines()
+    return [entry["loss"] for entry in map(json.loads, lines) if "loss" in entry]
+
+
+def test_tiny_model_learns_and_its_checkpoint_exports_with_parity(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    args = [*TINY, "--pairs", str(write_pairs(tmp_path / "pairs.jsonl")), "--batch-size", "8"]
+    assert train.main([*args, "--max-steps", "16", "--lr", "3e-3", "--dropout", "0", "--out", str(ckpt)]) == 0
+    curve = losses(ckpt)
+    assert len(curve) == 16
+    assert sum(curve[-4:]) / 4 < 0.7 * sum(curve[:4]) / 4, curve
+    export = [sys.executable, "-m", "export", "--weights", str(ckpt), "--out", str(tmp_path / "onnx")]
+    done = subprocess.run(export, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "parity passed" in done.stdout
+    assert (tmp_path / "onnx" / "model.onnx").is_file()
+
+
+def test_an_interrupted_run_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--position", "sinusoidal", "--sts-train", str(scored), "--batch-size", "4"]
+    args += ["--max-steps", "6", "--eval-every", "3"]
+    assert train.main([*args, "--out", str(tmp_path / "whole")]) == 0
+
+    real_step = train.train_step
+
+    def killed_at_step_5(run: train.Run, batch: train.Batch) -> float:
+        if run.step == 4:
+            raise KeyboardInterrupt
+        return real_step(run, batch)
+
+    monkeypatch.setattr(train, "train_step", killed_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([*args, "--out", str(tmp_path / "cut")])  # leaves the step-3 checkpoint
+    monkeypatch.setattr(train, "train_step", real_step)
+    resumed = [*args, "--resume", str(tmp_path / "cut"), "--out", str(tmp_path / "resumed")]
+    assert train.main(resumed) == 0
+
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")
+    want = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    got = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+GOOD_PAIR = b'{"anchor": "a", "positive": "b"}\n'
+GOOD_ROW = b"g\ts\t2012\t1\t5.0\ta\tb\n"
+BAD_DATA = {
+    "missing field": ("--pairs", GOOD_PAIR + b'{"anchor": "a"}\n', ":2: missing field 'positive'"),
+    "empty file": ("--pairs", b"", "no pairs (the file is empty)"),
+    "not JSON": ("--pairs", GOOD_PAIR + b'\n{"anchor": \n', ":3: not valid JSON"),
+    "pairs not UTF-8": ("--pairs", GOOD_PAIR + b'{"anchor": "\xff"}\n', ":2: not UTF-8"),
+    "score above 5": ("--sts-train", GOOD_ROW + b"g\ts\t2012\t2\t7.5\ta\tb\n", ":2: score 7.5 is outside"),
+    "scores not UTF-8": ("--sts-train", GOOD_ROW + b"g\ts\t2012\t2\t1.0\t\xe9t\xe9\tc\n", ":2: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_training_data_is_refused_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    flag, content, message = BAD_DATA[case]
+    data = tmp_path / "bad.data"
+    data.write_bytes(content)
+    assert train.main([*TINY, flag, str(data), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train: error: {data}:") and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_training_data_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    data = tmp_path / "pairs.jsonl"
+    data.write_bytes(GOOD_PAIR + b'{"anchor": "caf\xe9", "positive": "b"}\n')
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "model.train", *TINY, "--pairs", str(data), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == f"train: error: {data}:2: not UTF-8 (byte 0xe9 at column 16)\n"
+    assert done.stdout == ""
