@@ -100,6 +100,14 @@ def to_array(response: pb.EmbedResponse) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, response.dimensions), dtype=np.float32)
 
 
+def open_channel(address: str, security: Security, api: Any) -> Any:
+    """A channel from `api` (grpc or grpc.aio): TLS when the security says so, plaintext otherwise."""
+    credentials = security.credentials()
+    if credentials is None:
+        return api.insecure_channel(address, options=security.options())
+    return api.secure_channel(address, credentials, options=security.options())
+
+
 class EmbeddingClient:
     """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`."""
 
@@ -107,11 +115,7 @@ class EmbeddingClient:
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
     ) -> None:
         security = security or Security()
-        credentials = security.credentials()
-        if credentials is None:
-            self.channel = grpc.insecure_channel(address, options=security.options())
-        else:
-            self.channel = grpc.secure_channel(address, credentials, options=security.options())
+        self.channel = open_channel(address, security, grpc)
         self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
         self.timeout = timeout
         self.metadata = security.metadata()
@@ -149,11 +153,7 @@ class AsyncEmbeddingClient:
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
     ) -> None:
         security = security or Security()
-        credentials = security.credentials()
-        if credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=security.options())
-        else:
-            self.channel = grpc.aio.secure_channel(address, credentials, options=security.options())
+        self.channel = open_channel(address, security, grpc.aio)
         self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
         self.timeout = timeout
         self.metadata = security.metadata()

@@ -128,7 +128,11 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
     request_tokenizer = RequestTokenizer(tokenizer, limits)
     fault_ids = tokenizer.encode([config.fault_text]).ids[0] if config.fault_text else None
     batch_limits = BatchLimits(
-        config.max_batch_tokens, config.max_batch_size, config.max_queue_delay_ms / 1000, config.queue_limit
+        config.max_batch_tokens,
+        config.max_batch_size,
+        config.max_queue_delay_ms / 1000,
+        config.queue_limit,
+        config.max_padding,
     )
     batcher = Batcher(_with_fault(backend.run, fault_ids), batch_limits, metrics)
     readiness = Readiness()

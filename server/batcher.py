@@ -38,6 +38,7 @@ class BatchLimits:
     max_batch_size: int
     max_queue_delay_s: float
     queue_limit: int
+    max_padding: float = 1.0
     window: int = 256  # how far into the queue a batch may look for inputs of similar length
 
 
@@ -62,29 +63,41 @@ class Pending:
         return self.future.done()
 
 
-def choose_batch(lengths: Sequence[int], max_tokens: int, max_size: int) -> list[int]:
+def choose_batch(
+    lengths: Sequence[int], max_tokens: int, max_size: int, max_padding: float = 1.0
+) -> list[int]:
     """Indices into `lengths` (a window, oldest first) forming the next batch; always holds 0.
 
     Grows a run of neighbours in length order around the oldest input, adding each time the
-    neighbour that adds the least padding, while rows x longest row <= max_tokens.
+    neighbour that adds the least padding, while rows x longest row <= max_tokens and the share of
+    padding in the batch stays <= max_padding (a batch of similar lengths wastes less compute than
+    a bigger one padded to its longest row; the inputs left out form their own batch next).
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     lo = hi = order.index(0)
-    longest = lengths[0]
+    longest, real = lengths[0], lengths[0]
+
+    def fits(rows: int, longest: int, real: int) -> bool:
+        return rows * longest <= max_tokens and real >= (1.0 - max_padding) * rows * longest
+
     while hi - lo + 1 < max_size:
         count = hi - lo + 1
-        left_fits = lo > 0 and (count + 1) * longest <= max_tokens
-        right_fits = hi + 1 < len(order) and (count + 1) * lengths[order[hi + 1]] <= max_tokens
+        left = lengths[order[lo - 1]] if lo > 0 else None
+        right = lengths[order[hi + 1]] if hi + 1 < len(order) else None
+        left_fits = left is not None and fits(count + 1, longest, real + left)
+        right_fits = right is not None and fits(count + 1, right, real + right)
         if not (left_fits or right_fits):
             break
         # Padding added: a shorter row is padded to `longest`; a longer row pads every row so far.
-        waste_left = longest - lengths[order[lo - 1]] if left_fits else math.inf
-        waste_right = (lengths[order[hi + 1]] - longest) * count if right_fits else math.inf
+        waste_left = longest - left if left_fits and left is not None else math.inf
+        waste_right = (right - longest) * count if right_fits and right is not None else math.inf
         if waste_left <= waste_right:
             lo -= 1
+            real += lengths[order[lo]]
         else:
             hi += 1
             longest = lengths[order[hi]]
+            real += longest
     return sorted(order[lo : hi + 1])
 
 
@@ -193,7 +206,9 @@ class Batcher:
             self.metrics.queue_depth.set(0)
             return []
         lengths = [len(p.ids) for p in window]
-        chosen = choose_batch(lengths, self.limits.max_batch_tokens, self.limits.max_batch_size)
+        chosen = choose_batch(
+            lengths, self.limits.max_batch_tokens, self.limits.max_batch_size, self.limits.max_padding
+        )
         taken = set(chosen)
         batch = [window[i] for i in chosen]
         rest = (p for i, p in enumerate(self._queue) if i not in taken)

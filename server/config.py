@@ -33,6 +33,8 @@ class ServerConfig:
     # Padded tokens per batch (rows x longest row): bounds one model run's work and memory.
     max_batch_tokens: int = 1024
     max_batch_size: int = 32
+    # Largest share of padding a batch may carry: smaller, evenly long batches beat big padded ones.
+    max_padding: float = 0.15
     # How long the first input of a batch may wait for company before its batch runs anyway.
     max_queue_delay_ms: float = 2.0
     max_inputs_per_request: int = 256
@@ -73,6 +75,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+        if not 0.0 <= self.max_padding <= 1.0:
+            raise ValueError(f"max_padding must be between 0 and 1, not {self.max_padding}")
         if self.precision not in ("auto", "fp32", "fp16", "int8"):
             raise ValueError(f"precision must be auto, fp32, fp16 or int8, not {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
@@ -89,6 +93,7 @@ _HELP = {
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
     "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
     "max_batch_size": "rows per batch",
+    "max_padding": "largest share of padded tokens in a batch (0-1); inputs left out form the next batch",
     "max_queue_delay_ms": "longest wait for a batch to fill before it runs",
     "max_inputs_per_request": "inputs in one Embed/Tokenize request",
     "max_text_chars": "characters in one text, checked before tokenization",
