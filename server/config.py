@@ -43,7 +43,7 @@ class ServerConfig:
     queue_limit: int = 4096
     max_message_bytes: int = 8 * 1024 * 1024
     max_stream_in_flight: int = 64
-    max_concurrent_streams: int = 100
+    max_concurrent_streams: int = 1024
     # ONNX Runtime intra-op threads; 0 lets it use every core.
     threads: int = 0
     drain_timeout_s: float = 20.0
