@@ -18,7 +18,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from server.batcher import Batcher, BatchLimits, choose_batch
-from server.errors import BackendFailure, Dropped, Overloaded
+from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from server.metrics import Metrics
 
 T = TypeVar("T")
@@ -208,6 +208,23 @@ def test_full_queue_refuses_at_once():
     assert first_ids(queued) == [2, 3, 4]
     assert 5 not in model.first_ids_seen()
     assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_more_inputs_than_the_whole_queue_holds_are_invalid_not_overload():
+    model = FakeModel()
+    batcher = new_batcher(model, queue_limit=3)
+
+    async def scenario():
+        batcher.start()
+        try:
+            with pytest.raises(InvalidInput, match="4 inputs can never fit the queue_limit of 3"):
+                await batcher.submit([[1, 5], [2, 5], [3, 5], [4, 5]])
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert model.batches == []  # retrying could never help, so it is not a RESOURCE_EXHAUSTED
+    assert sample(batcher, "embed_requests_refused_total") == 0
 
 
 def test_input_whose_deadline_passed_in_the_queue_is_dropped_before_compute():

@@ -209,15 +209,21 @@ def test_one_batch_moves_the_real_and_padded_token_counters() -> None:
 
 
 def test_a_full_queue_is_refused_and_counted_without_compute() -> None:
-    run = FakeRun()
+    run = FakeRun(blocked=True)
 
     async def scenario(batcher: Batcher) -> None:
+        first = asyncio.create_task(batcher.submit([[1]]))  # taken into a batch; the model blocks
+        await _wait_until(lambda: run.runs == 1)
+        waiting = asyncio.create_task(batcher.submit([[2], [3]]))  # fills the queue (limit 2)
+        await _wait_until(lambda: batcher.depth == 2)
         with pytest.raises(Overloaded):
-            await batcher.submit([[1], [2], [3]])
+            await batcher.submit([[4]])
+        run.gate.set()
+        await asyncio.gather(first, waiting)
 
     m = run_with_batcher(run, scenario, queue_limit=2)
     assert value(m, "embed_requests_refused_total") == 1
-    assert run.runs == 0 and value(m, "embed_inputs_total") == 0
+    assert value(m, "embed_inputs_total") == 3  # the refused input was never computed
 
 
 def test_an_expired_deadline_is_dropped_before_compute_and_counted() -> None:

@@ -17,7 +17,12 @@ from tests.server_process import model_dir, start_server
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
 # Two valid values per field that are not the default: one for the environment, one for the flag.
-SPECIAL = {"device": ("cpu", "cuda"), "log_level": ("DEBUG", "WARNING")}
+SPECIAL = {
+    "device": ("cpu", "cuda"),
+    "log_level": ("DEBUG", "WARNING"),
+    "precision": ("fp32", "int8"),
+    "max_padding": ("0.3", "0.5"),
+}
 
 
 def two_values(name: str) -> tuple[str, str]:
