@@ -24,6 +24,7 @@ import torch
 from export.onnx import IR_VERSION, OPSET, export_onnx, save
 from export.optimize import FP32_FILE, INT8_FILE, cpu_session, graph_plan, quantize_int8
 from export.parity import ParityError, ParityReport, run_int8_gate, run_parity
+from model.checksum import sha256_file
 from model.data import DataError, read_sts, sts_path
 from model.tokenizer import Tokenizer
 from model.weights import (
@@ -32,7 +33,6 @@ from model.weights import (
     WeightsError,
     default_weights_dir,
     load_checkpoint,
-    sha256_file,
 )
 
 MANIFEST_VERSION = 1

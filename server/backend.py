@@ -7,7 +7,6 @@ cannot load, and then silently runs on the CPU.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from model.checksum import sha256_file
 from server.config import Device
 
 log = logging.getLogger(__name__)
@@ -61,28 +61,23 @@ class ModelRepository:
 
 
 def open_repository(directory: Path) -> ModelRepository:
-    """Read manifest.json and verify the ONNX file's checksum against it."""
+    """Read manifest.json and verify every graph's checksum against it."""
     path = directory / "manifest.json"
     if not path.is_file():
         raise ModelRepositoryError(f"{path}: missing; build the model repository with `make model`")
     manifest = json.loads(path.read_text(encoding="utf-8"))
     for graph in manifest["graphs"]:
-        if not (directory / graph["file"]).is_file():
-            raise ModelRepositoryError(f"{directory / graph['file']}: missing")
-    _verify_checksum(directory / "model.onnx", manifest["onnx_sha256"])
-    for graph in manifest["graphs"]:
-        if "sha256" in graph and graph["file"] != "model.onnx":
-            _verify_checksum(directory / graph["file"], graph["sha256"])
+        file = directory / graph["file"]
+        if not file.is_file():
+            raise ModelRepositoryError(f"{file}: missing")
+        _verify_checksum(file, graph["sha256"])
     return ModelRepository(directory, manifest)
 
 
 def _verify_checksum(path: Path, expected: str) -> None:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != expected:
-        raise ModelRepositoryError(f"{path}: sha256 {digest.hexdigest()} does not match manifest {expected}")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ModelRepositoryError(f"{path}: sha256 {actual} does not match manifest {expected}")
 
 
 def gpu_present() -> bool:

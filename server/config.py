@@ -82,9 +82,6 @@ class ServerConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
 
-    def limits(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("max_")}
-
 
 _HELP = {
     "address": "gRPC listen address host:port (port 0 picks a free port)",

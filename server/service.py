@@ -148,7 +148,6 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             raise InvalidInput("set either `texts` or `token_ids`, not both")
         if request.token_ids:
             return self.tokenizer.from_ids([list(t.ids) for t in request.token_ids], truncate)
-        self.tokenizer.check_count(len(request.texts))
         started = time.perf_counter()
         prepared = await self._tokenize_texts(list(request.texts), truncate)
         self.metrics.tokenize_duration.observe(time.perf_counter() - started)
@@ -176,7 +175,6 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         truncate = request.truncate if request.HasField("truncate") else True
-        self.tokenizer.check_count(len(request.texts))
         prepared = await self._tokenize_texts(list(request.texts), True)
         tokens = []
         for text, row, u in zip(request.texts, prepared.rows, prepared.usage, strict=True):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +75,16 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextmanager
+def serving(*args: str, metrics: bool = True, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A started server, serving, for the body of the with-block; stopped (SIGTERM) after it."""
+    process = start_server(*args, metrics=metrics, env=env).wait_serving()
+    try:
+        yield process
+    finally:
+        process.stop()
 
 
 def start_server(*args: str, metrics: bool = True, env: dict[str, str] | None = None) -> ServerProcess:

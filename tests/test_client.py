@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from client.client import EmbeddingClient
-from tests.server_process import ServerProcess, start_server
+from tests.server_process import ServerProcess, serving
 from tests.test_server import SHORT, TINY, assert_close, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,9 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    process = start_server().wait_serving()
-    yield process
-    process.stop()
+    with serving() as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from client.client import EmbeddingClient, Security, embed_request
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, start_server
+from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, serving, start_server
 
 TOKEN = "tok-" + secrets.token_urlsafe(24)  # new each run, so a hit in a log is this run's leak
 WRONG = "tok-" + secrets.token_urlsafe(24)
@@ -134,21 +134,19 @@ def flags(settings: Mapping[str, object]) -> list[str]:
 def tls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     token_file = tmp_path_factory.mktemp("secret") / "token"
     token_file.write_text(TOKEN + "\n")
-    process = start_server(
+    with serving(
         *flags({"tls_cert": pki.server_cert, "tls_key": pki.server_key, "auth_token_file": token_file}),
         *flags({**LIMITS, "max_concurrent_streams": MAX_STREAMS}),
         *flags({"metrics_address": "127.0.0.2:0", "log_level": "DEBUG"}),
-    ).wait_serving()
-    yield process
-    process.stop()
+    ) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki: Pki) -> Iterator[ServerProcess]:
     tls = {"tls_cert": pki.server_cert, "tls_key": pki.server_key, "tls_client_ca": pki.ca}
-    process = start_server(*flags(tls), env={"EMBED_AUTH_TOKEN": TOKEN}).wait_serving()
-    yield process
-    process.stop()
+    with serving(*flags(tls), env={"EMBED_AUTH_TOKEN": TOKEN}) as process:
+        yield process
 
 
 def client(server: ServerProcess, security: Security) -> EmbeddingClient:

@@ -30,7 +30,7 @@ from export.optimize import cpu_session
 from model.tokenizer import Tokenizer, pad_batch
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from tests.server_process import SERVICE_NAME, ServerProcess, start_server
+from tests.server_process import SERVICE_NAME, ServerProcess, serving, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_COSINE = 0.99999
@@ -140,9 +140,8 @@ def reference(model_dir: Path) -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    process = start_server(*flags(MAIN_FLAGS)).wait_serving()
-    yield process
-    process.stop()
+    with serving(*flags(MAIN_FLAGS)) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -407,9 +406,8 @@ def test_reflection_lists_the_services(server):
 
 @pytest.fixture(scope="module")
 def tiny_queue_server() -> Iterator[ServerProcess]:
-    process = start_server("--queue-limit", "4", "--max-batch-size", "4").wait_serving()
-    yield process
-    process.stop()
+    with serving("--queue-limit", "4", "--max-batch-size", "4") as process:
+        yield process
 
 
 def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, reference):
@@ -431,9 +429,8 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
 @pytest.fixture(scope="module")
 def fault_server() -> Iterator[ServerProcess]:
     # A long queue delay, so that the faulty input shares its batch with the others.
-    process = start_server("--fault-text", FAULT, "--max-queue-delay-ms", "100").wait_serving()
-    yield process
-    process.stop()
+    with serving("--fault-text", FAULT, "--max-queue-delay-ms", "100") as process:
+        yield process
 
 
 def test_backend_failure_fails_only_the_request_holding_the_input(fault_server, reference):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.reliability.workload import ROOT, References, sentence_pool
-from tests.server_process import ServerProcess, start_server
+from tests.server_process import ServerProcess, serving
 
 SOAK_SECONDS = float(os.environ.get("EMBED_SOAK_SECONDS", "60"))
 FIGURES: dict[str, dict[str, Any]] = {}
@@ -59,9 +59,8 @@ def figures(request: pytest.FixtureRequest) -> Callable[..., None]:
 @pytest.fixture(scope="package")
 def plain_server() -> Iterator[ServerProcess]:
     """A server with the default settings, shared by the fuzz tests and the replica tests."""
-    process = start_server().wait_serving()
-    yield process
-    process.stop()
+    with serving() as process:
+        yield process
 
 
 @pytest.fixture(scope="package")

@@ -27,7 +27,7 @@ from client.client import embed_request, to_array
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import Scrape, metrics_text, parse, scrape, wait_idle
 from tests.reliability.workload import MIN_COSINE, Load, References, Tally, channels
-from tests.server_process import ServerProcess, start_server, wait_for
+from tests.server_process import ServerProcess, serving, start_server, wait_for
 
 FAULT = "this exact text makes its batch fail in the backend"
 QUEUE_LIMIT = 64
@@ -37,9 +37,8 @@ QUEUE_DELAY_S = 3.0
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     flags = ["--queue-limit", str(QUEUE_LIMIT), "--max-queue-delay-ms", str(QUEUE_DELAY_S * 1000)]
-    process = start_server(*flags, "--fault-text", FAULT).wait_serving()
-    yield process
-    process.stop()
+    with serving(*flags, "--fault-text", FAULT) as process:
+        yield process
 
 
 @pytest.fixture(scope="module")

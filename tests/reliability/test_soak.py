@@ -29,7 +29,7 @@ from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.conftest import SOAK_SECONDS
 from tests.reliability.probes import RssSampler, Scrape, gauges, scrape, wait_idle
 from tests.reliability.workload import Load, Tally
-from tests.server_process import ServerProcess, start_server
+from tests.server_process import ServerProcess, serving
 
 CALLERS = 256
 CHANNELS = 8
@@ -41,9 +41,8 @@ MAX_GROWTH = 0.05
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    process = start_server("--queue-limit", str(QUEUE_LIMIT), "--drain-timeout-s", "60").wait_serving()
-    yield process
-    process.stop()
+    with serving("--queue-limit", str(QUEUE_LIMIT), "--drain-timeout-s", "60") as process:
+        yield process
 
 
 def latency(tally: Tally, code: grpc.StatusCode) -> dict[str, float]:
