@@ -7,7 +7,10 @@ and vectors out, tokenization included, with the same thread count:
 - sentence-transformers on torch (device cpu; it sorts inputs by length itself), batch 32 and 128;
 - the model repository's session as the server builds it (export.optimize.cpu_session), batches of
   length-sorted or unsorted (file order) sentences, batch 32 and 128;
-- the same session with ORT's SkipLayerNormFusion switched back on, batch 32 sorted.
+- the same session with ORT's SkipLayerNormFusion switched back on, batch 32 sorted;
+- the int8 graph, where the repository ships one, batch 32 sorted and unsorted;
+- with --baseline-model-dir, another repository's graph (e.g. one built at an earlier commit), batch
+  32 sorted and unsorted: a graph change measured against its predecessor in the same run.
 Each setup runs --repeats times after a warm-up; the fastest run is reported (the machine is shared).
 Writes a markdown table to stdout and JSON to --out (default build/bench/model.json).
 """
@@ -32,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, cpu_session
+from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, FP32_FILE, INT8_FILE, cpu_session
 from export.parity import CARRIED_SENTENCES, onnx_embedder
 from model.data import read_sts, sts_path
 from model.evaluate import length_sorted
@@ -71,6 +74,9 @@ def parse_args() -> argparse.Namespace:
         type=Path,
         default=os.environ.get("EMBED_DATA_DIR") or None,
         help="directory holding stsbenchmark/ [env EMBED_DATA_DIR]; without it, the carried sentences",
+    )
+    p.add_argument(
+        "--baseline-model-dir", type=Path, default=None, help="another model repository to measure alongside"
     )
     p.add_argument("--out", type=Path, default=Path("build/bench/model.json"))
     p.add_argument("--sentences", type=int, default=1000)
@@ -167,6 +173,16 @@ def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) ->
             )
     fused = onnx_texts(fused_session(model, args.threads), tokenizer, 32, sort=True)
     found.append(Setup("onnx + SkipLayerNormFusion", "length-sorted", 32, fused))
+    others = [("onnx int8", args.model_dir / INT8_FILE)]
+    if args.baseline_model_dir is not None:
+        others.append((f"onnx, baseline {args.baseline_model_dir}", args.baseline_model_dir / FP32_FILE))
+    for engine, path in others:
+        if not path.is_file():
+            continue
+        other = cpu_session(path, args.threads)
+        for sort in (True, False):
+            order = "length-sorted" if sort else "unsorted"
+            found.append(Setup(engine, order, 32, onnx_texts(other, tokenizer, 32, sort)))
     return found
 
 

@@ -95,6 +95,8 @@ def _info(config: ServerConfig, repo: ModelRepository, backend: OnnxBackend, voc
         execution_provider=backend.provider,
         limits=limits,
         versions=versions,
+        model_instances=backend.instances,
+        threads_per_instance=backend.threads,
     )
 
 
@@ -122,7 +124,7 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
             f"max_batch_tokens {config.max_batch_tokens} cannot hold one input of "
             f"max_input_tokens {repo.max_input_tokens}"
         )
-    backend = OnnxBackend(repo, config.device, config.threads, config.precision)
+    backend = OnnxBackend(repo, config.device, config.threads, config.precision, config.model_instances)
     tokenizer = Tokenizer(repo.directory / "tokenizer.json", repo.max_input_tokens)
     limits = InputLimits(config.max_inputs_per_request, repo.max_input_tokens, config.max_text_chars)
     request_tokenizer = RequestTokenizer(tokenizer, limits)
@@ -134,7 +136,7 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
         config.queue_limit,
         config.max_padding,
     )
-    batcher = Batcher(_with_fault(backend.run, fault_ids), batch_limits, metrics)
+    batcher = Batcher(_with_fault(backend.run, fault_ids), batch_limits, metrics, workers=backend.instances)
     readiness = Readiness()
     info = _info(config, repo, backend, tokenizer.vocab_size)
     service = EmbeddingService(

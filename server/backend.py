@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +95,25 @@ def wanted_providers(device: Device) -> list[str]:
     return [CPU]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plan_instances(provider: str, instances: int, threads: int, cores: int) -> tuple[int, int]:
+    """(model instances, intra-op threads each); 0 means auto for either.
+
+    Auto on the CPU provider: two instances splitting the cores (on 2 cores, one thread each ran
+    15-25% faster than one instance with two threads, and is not stalled when the event loop takes
+    a core). On CUDA: one instance; the GPU runs one batch at a time anyway.
+    """
+    if instances < 0 or threads < 0:
+        raise ValueError(f"instances and threads must be 0 (auto) or more, not {instances} and {threads}")
+    instances = instances or (1 if provider == CUDA else min(2, cores))
+    threads = threads or max(1, cores // instances)
+    return instances, threads
+
+
 def _session_options(threads: int) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -105,19 +126,42 @@ def _session_options(threads: int) -> ort.SessionOptions:
 
 
 class OnnxBackend:
-    """`run(ids, lengths) -> (normalised, pooled)`, called from one worker thread at a time."""
+    """`run(ids, lengths) -> (normalised, pooled)`, safe to call from `instances` threads at once.
 
-    def __init__(self, repo: ModelRepository, device: Device, threads: int, precision: str = "auto") -> None:
+    Each call takes a free instance. Instances of one thread share one session (ORT runs concurrent
+    calls on a session; with one thread there is no intra-op pool for them to contend for); instances
+    of several threads get a session each, so each keeps its own thread pool.
+    """
+
+    def __init__(
+        self,
+        repo: ModelRepository,
+        device: Device,
+        threads: int = 0,
+        precision: str = "auto",
+        instances: int = 0,
+    ) -> None:
         started = time.perf_counter()
         providers = wanted_providers(device)
         graph = repo.graph_for(providers[0], precision)
-        self.session = ort.InferenceSession(
-            str(repo.directory / graph["file"]),
-            _session_options(threads),
-            providers=providers,
-            disabled_optimizers=list(graph.get("disabled_optimizers", [])),
-        )
-        self.provider = self.session.get_providers()[0]
+        self.instances, self.threads = plan_instances(providers[0], instances, threads, usable_cores())
+
+        def new_session() -> ort.InferenceSession:
+            return ort.InferenceSession(
+                str(repo.directory / graph["file"]),
+                _session_options(self.threads),
+                providers=providers,
+                disabled_optimizers=list(graph.get("disabled_optimizers", [])),
+            )
+
+        first = new_session()
+        self.sessions = (first,) * self.instances
+        if self.threads > 1:
+            self.sessions = (first, *(new_session() for _ in range(self.instances - 1)))
+        self._free: queue.SimpleQueue[ort.InferenceSession] = queue.SimpleQueue()
+        for session in self.sessions:
+            self._free.put(session)
+        self.provider = first.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise ModelRepositoryError("--device cuda: the CUDA execution provider could not be loaded")
         if providers[0] == CUDA and self.provider != CUDA:
@@ -125,27 +169,36 @@ class OnnxBackend:
         self.precision = str(graph.get("precision", "fp32"))
         self.load_seconds = time.perf_counter() - started
         log.info(
-            "model session on %s (%s, %s) in %.2fs",
+            "model on %s (%s, %s): %d instance(s) x %d thread(s), loaded in %.2fs",
             self.provider,
             graph["file"],
             self.precision,
+            self.instances,
+            self.threads,
             self.load_seconds,
         )
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert ids.dtype == np.int64 and lengths.dtype == np.int64 and ids.shape[0] == lengths.shape[0]
-        if self.provider == CUDA:
-            return self._run_bound(ids, lengths)
-        normalised, pooled = self.session.run(None, {"input_ids": ids, "lengths": lengths})
-        return np.asarray(normalised), np.asarray(pooled)
+        session = self._free.get()  # never waits when at most `instances` threads call
+        try:
+            if self.provider == CUDA:
+                return _run_bound(session, ids, lengths)
+            normalised, pooled = session.run(None, {"input_ids": ids, "lengths": lengths})
+            return np.asarray(normalised), np.asarray(pooled)
+        finally:
+            self._free.put(session)
 
-    def _run_bound(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """I/O binding: inputs copied to the GPU once, outputs left there and fetched together."""
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("lengths", lengths)
-        binding.bind_output("embeddings", "cuda")
-        binding.bind_output("pooled", "cuda")
-        self.session.run_with_iobinding(binding)
-        normalised, pooled = binding.copy_outputs_to_cpu()
-        return np.asarray(normalised), np.asarray(pooled)
+
+def _run_bound(
+    session: ort.InferenceSession, ids: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """I/O binding: inputs copied to the GPU once, outputs left there and fetched together."""
+    binding = session.io_binding()
+    binding.bind_cpu_input("input_ids", ids)
+    binding.bind_cpu_input("lengths", lengths)
+    binding.bind_output("embeddings", "cuda")
+    binding.bind_output("pooled", "cuda")
+    session.run_with_iobinding(binding)
+    normalised, pooled = binding.copy_outputs_to_cpu()
+    return np.asarray(normalised), np.asarray(pooled)

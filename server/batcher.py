@@ -4,9 +4,14 @@ Inputs wait in one FIFO queue. A batch always holds the oldest waiting input (so
 grows with its neighbours in length order, taken from a window at the head of the queue, choosing at
 each step the neighbour that adds the least padding, while the padded cost (rows x longest row) stays
 within the token budget and the rows within the batch size. The batch is padded here and its
-per-row lengths go to the model, which builds its attention mask from them. Inputs whose caller
+per-row lengths go to the model, which builds its attention mask from them (and skips the padding
+in every per-token layer, so padding costs only attention's share). Inputs whose caller
 cancelled, or whose deadline passed, are dropped before compute. A full queue refuses new work at
 once, so memory stays bounded under any load.
+
+Up to `workers` batches run at once, one per model instance: while one instance computes, another
+takes the next batch. On the CPU provider two one-thread instances outran one two-thread instance on
+the same two cores (no barrier between threads inside an op; see README, "Settings").
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Result:
     embedding: np.ndarray  # (D,) L2-normalised
     pooled: np.ndarray  # (D,) before normalisation
     queue_s: float
+    run_started: float  # time.monotonic() when its batch started
     run_s: float
     batch_id: int
 
@@ -70,8 +76,8 @@ def choose_batch(
 
     Grows a run of neighbours in length order around the oldest input, adding each time the
     neighbour that adds the least padding, while rows x longest row <= max_tokens and the share of
-    padding in the batch stays <= max_padding (a batch of similar lengths wastes less compute than
-    a bigger one padded to its longest row; the inputs left out form their own batch next).
+    padding in the batch stays <= max_padding (padding still costs attention, whose share grows with
+    the longest row; the inputs left out form their own batch next).
     """
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     lo = hi = order.index(0)
@@ -107,24 +113,26 @@ class Batcher:
     limits: BatchLimits
     metrics: Metrics
     pad_id: int = 0
+    workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
     _queue: deque[Pending] = field(default_factory=deque)
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    _task: asyncio.Task[None] | None = None
-    _executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-    )
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _executor: ThreadPoolExecutor | None = None
     _batch_ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def start(self) -> None:
-        assert self._task is None, "batcher already started"
-        self._task = asyncio.create_task(self._loop(), name="batcher")
+        assert not self._tasks, "batcher already started"
+        assert self.workers >= 1, f"workers must be at least 1, not {self.workers}"
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="model")
+        self._tasks = [asyncio.create_task(self._loop(), name=f"batcher-{i}") for i in range(self.workers)]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        self._executor.shutdown(wait=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
     @property
     def depth(self) -> int:
@@ -157,6 +165,7 @@ class Batcher:
                 p.future.cancel()
 
     async def _loop(self) -> None:
+        """One worker: take the next batch whenever its previous one is done."""
         while True:
             await self._wait_for_batch()
             batch = self._take_batch()
@@ -253,6 +262,7 @@ class Batcher:
             self._resolve(p, normalised[0], pooled[0], started, run_s, batch_id)
 
     async def _in_worker(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        assert self._executor is not None, "batcher not started"
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.run, ids, lengths)
 
@@ -264,7 +274,7 @@ class Batcher:
         if not np.isfinite(vector).all():
             p.future.set_exception(BackendFailure("the model produced a non-finite vector for this input"))
             return
-        p.future.set_result(Result(vector, pooled, started - p.enqueued, run_s, batch_id))
+        p.future.set_result(Result(vector, pooled, started - p.enqueued, started, run_s, batch_id))
 
     def _observe(self, batch: list[Pending], padded: int, real: int, started: float, run_s: float) -> None:
         m = self.metrics

@@ -30,7 +30,9 @@ class Metrics:
         self.inputs = Counter("embed_inputs", "Inputs embedded.", registry=r)
         self.tokens = Counter("embed_tokens", "Real (unpadded) tokens embedded.", registry=r)
         self.batch_tokens_total = Counter(
-            "embed_batch_tokens", "Tokens computed, padding included (rows x longest row).", registry=r
+            "embed_batch_tokens",
+            "Tokens of the padded grid (rows x longest row), padding included.",
+            registry=r,
         )
         self.request_duration = Histogram(
             "embed_request_duration_seconds",

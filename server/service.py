@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -270,6 +271,16 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def _running_time(results: list[Result]) -> float:
+    """Seconds during which at least one of these results' batches ran (instances overlap)."""
+    spans = sorted({r.batch_id: (r.run_started, r.run_started + r.run_s) for r in results}.values())
+    total, covered_to = 0.0, -math.inf
+    for start, end in spans:
+        total += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    return total
+
+
 def _usage(u: Usage) -> pb.InputUsage:
     return pb.InputUsage(tokens=u.tokens, truncated=u.truncated, original_tokens=u.original_tokens)
 
@@ -286,10 +297,9 @@ def _response(
         else:
             e = pb.Embedding(values=vector.tolist(), usage=_usage(u))
         embeddings.append(e)
-    runs = {r.batch_id: r.run_s for r in results}
     timing = pb.Timing(
         queue_us=int(max(r.queue_s for r in results) * 1e6),
-        inference_us=int(sum(runs.values()) * 1e6),
+        inference_us=int(_running_time(results) * 1e6),
         total_us=int((time.perf_counter() - started) * 1e6),
     )
     dims = len(results[0].embedding)

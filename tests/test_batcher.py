@@ -158,6 +158,30 @@ def test_inputs_of_one_request_spanning_several_batches_come_back_in_order():
     assert sample(batcher, "embed_queue_depth") == 0
 
 
+def test_two_workers_compute_two_batches_at_once_and_answers_keep_their_order():
+    model = FakeModel(blocked=True)
+    limits = BatchLimits(max_batch_tokens=64, max_batch_size=2, max_queue_delay_s=0.0, queue_limit=64)
+    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2)
+    rows = [[10 + i, 5] for i in range(6)]
+
+    async def scenario():
+        batcher.start()
+        try:
+            answers = asyncio.create_task(batcher.submit(rows))
+            await wait_until(lambda: len(model.batches) == 2)  # both instances busy at once
+            await asyncio.sleep(0.05)
+            assert len(model.batches) == 2  # no third batch while both are busy
+            assert batcher.depth == 2
+            model.gate.set()
+            return await answers
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    assert first_ids(results) == list(range(10, 16))
+    assert len(model.batches) == 3
+
+
 def test_padding_matches_the_lengths_given_to_the_model():
     model = FakeModel()
     batcher = new_batcher(model, max_batch_tokens=1000, max_queue_delay_s=0.05)

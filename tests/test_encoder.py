@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.config import EncoderConfig
-from model.encoder import Encoder, padding_mask, pool, sinusoidal_table
+from model.encoder import Encoder, Packing, padding_mask, pool, sinusoidal_table
 from model.tokenizer import pad_batch
 
 SENTENCES = [
@@ -59,6 +59,18 @@ def test_padding_mask_is_true_exactly_on_real_tokens():
     )
     assert mask.dtype == torch.bool
     assert torch.equal(mask, expected)
+
+
+def test_packing_keeps_exactly_the_real_tokens_in_row_order():
+    lengths = torch.tensor([3, 1, 4, 2])
+    x = torch.arange(4 * 4 * 2).reshape(4, 4, 2)  # (B, T, C): every slot distinct
+    packing = Packing(lengths, seq_len=4)
+    packed = packing.pack(x)
+    want = torch.cat([x[b, :n] for b, n in enumerate(lengths.tolist())])
+    assert torch.equal(packed, want)  # (N, C), N = sum(lengths): no padded slot computed
+    unpacked = packing.unpack(packed)
+    assert unpacked.shape == x.shape
+    assert torch.equal(unpacked[packing.mask], x[packing.mask])  # real slots back in place
 
 
 @pytest.mark.parametrize("pad", [1, 7, 40])

@@ -30,6 +30,8 @@ from export.optimize import cpu_session
 from model.tokenizer import Tokenizer, pad_batch
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from server.batcher import Result
+from server.service import _running_time
 from tests.server_process import SERVICE_NAME, ServerProcess, serving, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +226,15 @@ def test_usage_and_timing_are_filled(client, reference):
     assert t.total_us >= t.inference_us and t.total_us >= t.queue_us
 
 
+def test_inference_time_counts_batches_that_ran_at_once_once():
+    def result(batch_id: int, started: float, run_s: float) -> Result:
+        return Result(np.zeros(2), np.zeros(2), 0.0, started, run_s, batch_id)
+
+    # Batches 1 and 2 overlap on two instances (10.0-10.4 and 10.1-10.3); batch 3 runs later alone.
+    results = [result(1, 10.0, 0.4), result(2, 10.1, 0.2), result(1, 10.0, 0.4), result(3, 11.0, 0.1)]
+    assert _running_time(results) == pytest.approx(0.5)
+
+
 # Every refusal ------------------------------------------------------------------------------------
 
 
@@ -282,10 +293,11 @@ def test_deadline_shorter_than_the_queue_wait_is_exceeded_and_the_server_keeps_s
     dropped_before = sum(
         metric(server, "embed_inputs_dropped_total", reason=r) for r in ("deadline", "cancelled")
     )
-    # 24 inputs of 256 tokens: three full batches of 2048 padded tokens; the short input cannot join them.
-    heavy = client.stub.Embed.future(embed_request([f"{i} {LONG}" for i in range(24)]), timeout=120)
+    # 32 inputs of 256 tokens: four full batches of 2048 padded tokens; the short input cannot join them.
+    heavy = client.stub.Embed.future(embed_request([f"{i} {LONG}" for i in range(32)]), timeout=120)
+    waiting = 32 - 8 * client.info().model_instances  # a batch runs on each instance, the rest wait
     deadline = time.monotonic() + 30
-    while metric(server, "embed_queue_depth") < 16:  # the first batch runs, two more wait
+    while metric(server, "embed_queue_depth") < waiting:
         assert time.monotonic() < deadline and not heavy.done(), "the heavy request never queued"
         time.sleep(0.005)
     started = time.monotonic()
@@ -293,7 +305,7 @@ def test_deadline_shorter_than_the_queue_wait_is_exceeded_and_the_server_keeps_s
         client.stub.Embed(embed_request(["a short text behind the queue"]), timeout=0.2)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 5
-    assert to_array(heavy.result()).shape == (24, DIMENSIONS)
+    assert to_array(heavy.result()).shape == (32, DIMENSIONS)
     assert_close(client.embed([SHORT[0]]), reference.embed([SHORT[0]]))
     dropped = sum(metric(server, "embed_inputs_dropped_total", reason=r) for r in ("deadline", "cancelled"))
     assert dropped == dropped_before + 1  # the late input was dropped, never computed

@@ -21,7 +21,7 @@ SPECIAL = {
     "device": ("cpu", "cuda"),
     "log_level": ("DEBUG", "WARNING"),
     "precision": ("fp32", "int8"),
-    "max_padding": ("0.3", "0.5"),
+    "max_padding": ("0.3", "0.7"),
 }
 
 

@@ -1,0 +1,80 @@
+"""The ONNX Runtime backend: how many instances, and instances running at once each answer their own batch."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from server.backend import CPU, CUDA, OnnxBackend, open_repository, plan_instances
+
+
+@pytest.mark.parametrize(
+    ("provider", "instances", "threads", "cores", "planned"),
+    [
+        (CPU, 0, 0, 2, (2, 1)),  # auto on 2 cores: two one-thread instances
+        (CPU, 0, 0, 16, (2, 8)),
+        (CPU, 0, 0, 1, (1, 1)),
+        (CUDA, 0, 0, 16, (1, 16)),  # one instance on the GPU
+        (CPU, 3, 0, 12, (3, 4)),  # threads split the cores between the instances asked for
+        (CPU, 4, 0, 2, (4, 1)),  # never fewer than one thread
+        (CPU, 1, 2, 16, (1, 2)),  # both given: taken as they are
+    ],
+)
+def test_plan_instances(provider, instances, threads, cores, planned):
+    assert plan_instances(provider, instances, threads, cores) == planned
+
+
+def test_plan_instances_refuses_negative_counts():
+    with pytest.raises(ValueError, match="0 \\(auto\\) or more"):
+        plan_instances(CPU, -1, 0, 2)
+
+
+@pytest.fixture(scope="module")
+def repo(model_dir):
+    return open_repository(model_dir)
+
+
+def batches(count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Batches of different shapes, with padding, so each has an answer of its own."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        rows, longest = 1 + i % 5, 4 + 3 * i
+        lengths = rng.integers(1, longest + 1, rows)
+        lengths[0] = longest
+        ids = rng.integers(1000, 20000, (rows, longest))
+        ids[np.arange(longest)[None, :] >= lengths[:, None]] = 0
+        out.append((ids.astype(np.int64), lengths.astype(np.int64)))
+    return out
+
+
+def test_one_thread_instances_share_one_session_and_larger_ones_get_their_own(repo):
+    shared = OnnxBackend(repo, "cpu", threads=1, instances=2)
+    assert (shared.instances, shared.threads) == (2, 1)
+    assert shared.sessions[0] is shared.sessions[1]
+    separate = OnnxBackend(repo, "cpu", threads=2, instances=2)
+    assert separate.sessions[0] is not separate.sessions[1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_concurrent_runs_each_get_their_own_batch_answer(repo, threads):
+    backend = OnnxBackend(repo, "cpu", threads=threads, instances=2)
+    work = batches(12)
+    want = [backend.run(ids, lengths) for ids, lengths in work]
+    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def caller(part: list[int]) -> None:
+        for _ in range(3):
+            for i in part:
+                got[i] = backend.run(*work[i])
+
+    callers = [threading.Thread(target=caller, args=(list(range(k, len(work), 2)),)) for k in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    for i, (normalised, pooled) in enumerate(want):
+        np.testing.assert_allclose(got[i][0], normalised, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got[i][1], pooled, rtol=0, atol=1e-5)
