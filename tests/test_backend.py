@@ -20,6 +20,8 @@ from server.backend import CPU, CUDA, OnnxBackend, open_repository, plan_instanc
         (CPU, 3, 0, 12, (3, 4)),  # threads split the cores between the instances asked for
         (CPU, 4, 0, 2, (4, 1)),  # never fewer than one thread
         (CPU, 1, 2, 16, (1, 2)),  # both given: taken as they are
+        (CPU, 0, 2, 2, (1, 2)),  # threads given: as many instances as fit the cores, at most 2
+        (CPU, 0, 4, 16, (2, 4)),
     ],
 )
 def test_plan_instances(provider, instances, threads, cores, planned):
