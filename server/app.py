@@ -8,6 +8,7 @@ import os
 import platform
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -168,14 +169,28 @@ def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
 
 
 def warm_up(app: App) -> float:
-    """Run representative shapes once so first requests do not pay for ORT's first-run allocations."""
+    """Run representative shapes, up to the batch budget, on every instance at once.
+
+    First requests then do not pay for ORT's first-run allocations, and its memory arena reaches
+    the high-water mark of concurrent full batches before serving. Without the concurrent part the
+    600 s soak saw resident memory creep up 6.6% as rarer pairs of big batches met; with it, an
+    in-process run of random batches stayed within 0.2%.
+    """
     started = time.perf_counter()
     longest = app.repo.max_input_tokens
+    shapes = []
     for length in (8, 16, 32, 64, 128, longest):
         rows = max(1, min(app.config.max_batch_size, app.config.max_batch_tokens // length))
-        for batch in sorted({1, rows}):
+        shapes += [(batch, length) for batch in sorted({1, rows})]
+
+    def one_instance() -> None:
+        for batch, length in shapes:
             ids = np.full((batch, length), 1000, dtype=np.int64)
             app.backend.run(ids, np.full(batch, length, dtype=np.int64))
+
+    with ThreadPoolExecutor(app.backend.instances, thread_name_prefix="warm-up") as pool:
+        for done in [pool.submit(one_instance) for _ in range(app.backend.instances)]:
+            done.result()
     return time.perf_counter() - started
 
 
