@@ -95,15 +95,6 @@ def sentences(data_dir: Path | None, n: int) -> tuple[list[str], str]:
     return (carried * (n // len(carried) + 1))[:n], "export/parity_sentences.txt repeated"
 
 
-def fused_session(path: Path, threads: int) -> ort.InferenceSession:
-    """cpu_session's settings, but every ORT graph optimisation on (SkipLayerNormFusion included)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ort.InferenceSession(str(path), options, providers=[CPU_PROVIDER])
-
-
 def skip_layer_norm_nodes(path: Path, disabled: list[str]) -> int:
     """SkipLayerNormalization nodes in the graph ORT actually runs, with these optimizers disabled:
     shows whether the fusion the server switches off fires on this model at all."""
@@ -171,7 +162,7 @@ def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) ->
             found.append(
                 Setup("onnx (server settings)", order, batch, onnx_texts(session, tokenizer, batch, sort))
             )
-    fused = onnx_texts(fused_session(model, args.threads), tokenizer, 32, sort=True)
+    fused = onnx_texts(cpu_session(model, args.threads, disabled_optimizers=()), tokenizer, 32, sort=True)
     found.append(Setup("onnx + SkipLayerNormFusion", "length-sorted", 32, fused))
     others = [("onnx int8", args.model_dir / INT8_FILE)]
     if args.baseline_model_dir is not None:

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.client import AsyncEmbeddingClient, embed_request
 from export.optimize import cpu_session
+from export.parity import CARRIED_SENTENCES
 from model.data import read_sts, sts_path
 from model.tokenizer import Tokenizer, pad_batch
 from server.backend import usable_cores
@@ -60,8 +62,7 @@ def sentences(data_dir: Path | None) -> list[str]:
     if data_dir is not None:
         pairs = read_sts(sts_path(data_dir, "dev"))
         return [s for p in pairs for s in (p.first, p.second)]
-    carried = Path(__file__).resolve().parents[1] / "export" / "parity_sentences.txt"
-    return carried.read_text(encoding="utf-8").splitlines() * 50
+    return CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines() * 50
 
 
 def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) -> list[Row]:
@@ -72,10 +73,10 @@ def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) ->
     tokens = sum(len(r) for r in rows)
     cores = usable_cores()
 
-    def run_all(session: object, callers: int) -> float:
+    def run_all(session: ort.InferenceSession, callers: int) -> float:
         def work(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
             for ids, lengths in part:
-                session.run(None, {"input_ids": ids, "lengths": lengths})  # type: ignore[attr-defined]
+                session.run(None, {"input_ids": ids, "lengths": lengths})
 
         threads = [threading.Thread(target=work, args=(batches[i::callers],)) for i in range(callers)]
         started = time.perf_counter()
@@ -119,8 +120,8 @@ async def load(address: str, texts: list[str], concurrency: int, per_request: in
             totals["inputs"] += per_request
             totals["tokens"] += response.total_tokens
 
-    # One connection per 64 callers: the server allows 100 concurrent calls per connection
-    # (--max-concurrent-streams), and refuses streams past it with REFUSED_STREAM.
+    # One connection per 64 callers, well under the server's concurrent calls per connection
+    # (--max-concurrent-streams, 1024 by default), past which it refuses streams (REFUSED_STREAM).
     clients = [AsyncEmbeddingClient(address, timeout=60) for _ in range(-(-concurrency // CALLS_PER_CHANNEL))]
     for client in clients:
         await client.embed(texts[:4])  # connect

@@ -101,8 +101,14 @@ def quantize_int8(fp32: Path, out: Path, calibration_rows: list[list[int]], batc
     )
 
 
-def cpu_session(path: Path, threads: int = 0) -> ort.InferenceSession:
-    """An ONNX Runtime CPU session with the settings the server uses (threads=0: ORT's default)."""
+def cpu_session(
+    path: Path, threads: int = 0, disabled_optimizers: tuple[str, ...] = CPU_DISABLED_OPTIMIZERS
+) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session with the server's graph settings (threads=0: ORT's default).
+
+    Unlike the server's sessions, idle threads keep ORT's default spinning: nothing else shares the
+    cores in the gate or a benchmark.
+    """
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -111,5 +117,5 @@ def cpu_session(path: Path, threads: int = 0) -> ort.InferenceSession:
         str(path),
         options,
         providers=[CPU_PROVIDER],
-        disabled_optimizers=list(CPU_DISABLED_OPTIMIZERS),
+        disabled_optimizers=list(disabled_optimizers),
     )

@@ -8,7 +8,8 @@ are per token, so they run on the real tokens only, packed as (N, C). Only atten
 the tokens of a row, sees the padded (B, T) layout, with padded keys masked. Per token and layer the
 per-token layers cost ~3.5 MFLOP and attention 1.5 kFLOP x T, so at T = 16 over 99% (at T = 256
 about 90%) of the work scales with real tokens, not with rows x longest row. On unsorted batches
-of STS-B sentences this ran 1.7-2.0x faster on the CPU provider (README, "Benchmarks").
+of STS-B sentences this ran 1.4x faster in one two-thread session and 1.8-2.0x with two one-thread
+callers, on the CPU provider (README, "Benchmarks").
 """
 
 from __future__ import annotations

@@ -90,13 +90,15 @@ def choose_batch(
         count = hi - lo + 1
         left = lengths[order[lo - 1]] if lo > 0 else None
         right = lengths[order[hi + 1]] if hi + 1 < len(order) else None
-        left_fits = left is not None and fits(count + 1, longest, real + left)
-        right_fits = right is not None and fits(count + 1, right, real + right)
-        if not (left_fits or right_fits):
+        # Padding added (inf: the neighbour does not fit): a shorter row is padded to `longest`; a
+        # longer row pads every row so far.
+        waste_left = waste_right = math.inf
+        if left is not None and fits(count + 1, longest, real + left):
+            waste_left = longest - left
+        if right is not None and fits(count + 1, right, real + right):
+            waste_right = (right - longest) * count
+        if waste_left == waste_right == math.inf:
             break
-        # Padding added: a shorter row is padded to `longest`; a longer row pads every row so far.
-        waste_left = longest - left if left_fits and left is not None else math.inf
-        waste_right = (right - longest) * count if right_fits and right is not None else math.inf
         if waste_left <= waste_right:
             lo -= 1
             real += lengths[order[lo]]

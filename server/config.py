@@ -106,7 +106,9 @@ _HELP = {
     "max_message_bytes": "largest gRPC message received or sent",
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
     "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",
-    "model_instances": "batches computed at once (0: 2 on the CPU, or as many as --threads fits; 1 on CUDA)",
+    "model_instances": (
+        "batches computed at once (0: as many as fit the cores at --threads, at most 2; 1 on CUDA)"
+    ),
     "threads": "ONNX Runtime intra-op threads per instance (0: usable cores / instances)",
     "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",

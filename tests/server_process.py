@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +17,16 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from server.health import SERVICE_NAME
+
 ROOT = Path(__file__).resolve().parents[1]
-SERVICE_NAME = "embedding.v1.EmbeddingService"
 _GRPC_PORT = re.compile(r"serving .* on port (\d+)")
 _METRICS_PORT = re.compile(r"metrics on :(\d+)/metrics")
+
+
+def flags(settings: Mapping[str, object]) -> list[str]:
+    """Server settings as command-line flags: {"max_batch_size": 8} -> ["--max-batch-size", "8"]."""
+    return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
 
 
 def model_dir() -> Path:
@@ -78,9 +84,9 @@ class ServerProcess:
 
 
 @contextmanager
-def serving(*args: str, metrics: bool = True, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A started server, serving, for the body of the with-block; stopped (SIGTERM) after it."""
-    process = start_server(*args, metrics=metrics, env=env).wait_serving()
+    process = start_server(*args, env=env).wait_serving()
     try:
         yield process
     finally:

@@ -53,9 +53,10 @@ def new_batcher(
     max_batch_size: int = 8,
     max_queue_delay_s: float = 0.0,
     queue_limit: int = 64,
+    workers: int = 1,
 ) -> Batcher:
     limits = BatchLimits(max_batch_tokens, max_batch_size, max_queue_delay_s, queue_limit)
-    return Batcher(model.run, limits, Metrics(), pad_id=PAD)
+    return Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=workers)
 
 
 def run(scenario: Callable[[], Awaitable[T]]) -> T:
@@ -160,8 +161,7 @@ def test_inputs_of_one_request_spanning_several_batches_come_back_in_order():
 
 def test_two_workers_compute_two_batches_at_once_and_answers_keep_their_order():
     model = FakeModel(blocked=True)
-    limits = BatchLimits(max_batch_tokens=64, max_batch_size=2, max_queue_delay_s=0.0, queue_limit=64)
-    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2)
+    batcher = new_batcher(model, max_batch_size=2, workers=2)
     rows = [[10 + i, 5] for i in range(6)]
 
     async def scenario():

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from client.client import channel_options, embed_request
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.reliability.probes import scrape
 from tests.server_process import ServerProcess, start_server, wait_for
 
 REPLICAS = 3
@@ -42,24 +41,12 @@ MAX_LOAD_CALLS = 5000
 MAX_LOAD_SECONDS = 75.0
 
 
-def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 def embeds_ok(server: ServerProcess) -> float:
-    key = ("embed_requests_total", (("code", "OK"), ("method", "Embed")))
-    return scrape(server).get(key, 0.0)
+    return scrape(server).requests("OK")
 
 
 def in_flight(server: ServerProcess) -> float:
-    return scrape(server)[("embed_requests_in_flight", ())]
+    return scrape(server).value("embed_requests_in_flight")
 
 
 @pytest.fixture
@@ -183,8 +170,7 @@ def test_a_replica_drained_mid_load_costs_no_call(
 
 
 def refused(server: ServerProcess) -> float:
-    key = ("embed_requests_total", (("code", "UNAVAILABLE"), ("method", "Embed")))
-    return scrape(server).get(key, 0.0)
+    return scrape(server).requests("UNAVAILABLE")
 
 
 # Retries alone get most calls past a warming replica, but round_robin may pick it again on every

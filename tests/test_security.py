@@ -18,7 +18,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from client.client import EmbeddingClient, Security, embed_request
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, serving, start_server
+from tests.reliability.probes import metrics_text
+from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, flags, serving, start_server
 
 TOKEN = "tok-" + secrets.token_urlsafe(24)  # new each run, so a hit in a log is this run's leak
 WRONG = "tok-" + secrets.token_urlsafe(24)
@@ -124,10 +125,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 # Servers --------------------------------------------------------------------------------------------
-
-
-def flags(settings: Mapping[str, object]) -> list[str]:
-    return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +262,7 @@ def test_the_token_from_the_environment_works_too(mtls_server, pki):
 def test_refusals_are_counted_and_the_metrics_listen_only_on_their_own_interface(tls_server, pki):
     with client(tls_server, Security(ca_cert=pki.ca)) as anonymous:
         code_of(lambda: anonymous.embed(["counted"]))
-    metrics = f"http://127.0.0.2:{tls_server.metrics_port}/metrics"
-    text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+    text = metrics_text(tls_server, host="127.0.0.2")
     assert 'embed_requests_total{code="UNAUTHENTICATED",method="Embed"}' in text
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{tls_server.metrics_port}/metrics", timeout=5)

@@ -32,7 +32,7 @@ from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from server.batcher import Result
 from server.service import _running_time
-from tests.server_process import SERVICE_NAME, ServerProcess, serving, start_server
+from tests.server_process import SERVICE_NAME, ServerProcess, flags, serving, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_COSINE = 0.99999
@@ -71,10 +71,6 @@ TINY = [
     "where is the station?",
 ]
 HUNDRED_KB = ("lorem ipsum dolor sit amet " * 4000)[:100_000]
-
-
-def flags(settings: dict[str, object]) -> list[str]:
-    return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
 
 
 def free_port() -> int:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.reliability.workload import ROOT, References, sentence_pool
-from tests.server_process import ServerProcess, serving
+from tests.reliability.workload import References, sentence_pool
+from tests.server_process import ROOT, ServerProcess, serving
 
 SOAK_SECONDS = float(os.environ.get("EMBED_SOAK_SECONDS", "60"))
 FIGURES: dict[str, dict[str, Any]] = {}

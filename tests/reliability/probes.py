@@ -41,8 +41,8 @@ def metrics_text(server: ServerProcess, host: str = "127.0.0.1") -> str:
     return str(urllib.request.urlopen(url, timeout=10).read().decode())
 
 
-def scrape(server: ServerProcess, host: str = "127.0.0.1") -> Scrape:
-    return parse(metrics_text(server, host))
+def scrape(server: ServerProcess) -> Scrape:
+    return parse(metrics_text(server))
 
 
 def parse(text: str) -> Scrape:

@@ -27,7 +27,7 @@ from client.client import embed_request, to_array
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import Scrape, metrics_text, parse, scrape, wait_idle
 from tests.reliability.workload import MIN_COSINE, Load, References, Tally, channels
-from tests.server_process import ServerProcess, serving, start_server, wait_for
+from tests.server_process import ServerProcess, serving, wait_for
 
 FAULT = "this exact text makes its batch fail in the backend"
 QUEUE_LIMIT = 64
@@ -239,9 +239,8 @@ def counted(delta: Scrape, *codes: str) -> dict[str, float]:
 @pytest.fixture
 def replicas(plain_server: ServerProcess) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """A fresh replica to kill, and the shared default server as the one that survives."""
-    doomed = start_server().wait_serving()
-    yield doomed, plain_server
-    doomed.stop()
+    with serving() as doomed:
+        yield doomed, plain_server
 
 
 def freeze_and_kill(replica: ServerProcess) -> Scrape:

@@ -7,9 +7,9 @@ saw. The load's first window (15 s in the short form, 60 s in the long) is its w
 memory may then grow less than 5% from the next window to the last (medians of 1 s samples of
 VmRSS), and the queue-depth and in-flight gauges must read 0 once the load stops.
 
-The queue limit is set to about 5 s of this 2-core machine's throughput, so that overload is
-refused at once instead of queued past the callers' deadlines (with the default 4096 and 256
-callers of ~4.5 sentences each, a request would wait ~40 s here).
+The queue limit is set to about 1 s of this 2-core machine's soak throughput, so that overload is
+refused at once instead of queued towards the callers' deadlines (with the default 4096 and 256
+callers of ~4.5 sentences each, a request would wait ~10 s here).
 """
 
 from __future__ import annotations

@@ -22,14 +22,12 @@ import numpy as np
 
 from client.client import channel_options, embed_request, to_array
 from export.optimize import cpu_session
+from export.parity import CARRIED_SENTENCES, MIN_COSINE
 from model.tokenizer import Tokenizer, pad_batch
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
-MIN_COSINE = 0.99999
 MAX_TOKENS = 256
 OK = grpc.StatusCode.OK
-RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 # Word counts of the sentence pool: mostly short, some paragraphs, a few cut at 256 tokens.
 LENGTHS = [3, 5, 8, 12, 16, 24, 32, 48, 64, 96, 240]
 LENGTH_WEIGHTS = [12, 12, 12, 12, 10, 10, 8, 6, 4, 2, 1]
@@ -37,7 +35,7 @@ LENGTH_WEIGHTS = [12, 12, 12, 12, 10, 10, 8, 6, 4, 2, 1]
 
 def sentence_pool(count: int, seed: int = 0) -> list[str]:
     """`count` distinct sentences of mixed length, made of the parity sentences' words."""
-    lines = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
+    lines = CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines()
     words = " ".join(lines).split()
     rng = random.Random(seed)
     pool = []
