@@ -2,18 +2,30 @@
 # The serving image, in three stages (docs/deploy.md):
 #   export   Python 3.11 and torch 2.13.0 (CPU) build the model repository through the parity gate, and
 #            generate the gRPC stubs from proto/.
-#   venv     the runtime's Python packages from requirements/runtime.txt (every hash checked), on the
-#            runtime base, so the virtual environment matches the Python that runs it.
+#   venv     the runtime's Python packages from requirements/runtime-$VARIANT.txt (every hash checked),
+#            on the runtime base, so the virtual environment matches the Python that runs it.
 #   runtime  the runtime base, Python 3.12, that venv, the server and /model: no torch, no compiler.
 #
+# One build argument, VARIANT, picks the runtime base and the lock together:
 # GPU (default):  docker build -t minilm-embed:gpu .
-# CPU:            docker build -t minilm-embed:cpu --build-arg RUNTIME_IMAGE=ubuntu:noble-20251001 .
+# CPU:            docker build -t minilm-embed:cpu --build-arg VARIANT=cpu .
 
 # Every base image comes from a build argument pinned to an exact version tag.
 ARG EXPORT_IMAGE=python:3.11.13-slim-bookworm
 # onnxruntime-gpu 1.31 from PyPI loads CUDA 13 and cuDNN 9 from the system; this image carries both.
-# The CPU base is the same Ubuntu 24.04 without them, so both variants share every later step.
-ARG RUNTIME_IMAGE=nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
+ARG GPU_RUNTIME_IMAGE=nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04
+# The same Ubuntu 24.04 without CUDA, with onnxruntime's CPU package (requirements/runtime-cpu.txt):
+# no CUDA provider library, no CUDA libraries.
+ARG CPU_RUNTIME_IMAGE=ubuntu:noble-20251001
+# gpu or cpu: selects runtime-base-$VARIANT below and requirements/runtime-$VARIANT.txt.
+ARG VARIANT=gpu
+
+FROM ${GPU_RUNTIME_IMAGE} AS runtime-base-gpu
+FROM ${CPU_RUNTIME_IMAGE} AS runtime-base-cpu
+# BuildKit builds only the base the variant names. DL3006 (tag the image) is ignored: this names one of
+# the two stages above, not an image, and both of their images are pinned.
+# hadolint ignore=DL3006
+FROM runtime-base-${VARIANT} AS runtime-base
 
 FROM ${EXPORT_IMAGE} AS export
 # torch's CPU wheels (PyPI's Linux torch is the CUDA build with gigabytes of CUDA libraries).
@@ -35,7 +47,8 @@ RUN python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out
         proto/embedding/v1/embedding.proto \
  && python -m export --out /model
 
-FROM ${RUNTIME_IMAGE} AS venv
+FROM runtime-base AS venv
+ARG VARIANT
 ENV DEBIAN_FRONTEND=noninteractive
 # DL3008 (pin apt versions) is ignored: the base image is pinned, and Ubuntu drops superseded versions
 # from its archive with each security update, so exact apt pins would break rebuilds, not fix them.
@@ -43,12 +56,12 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
-COPY requirements/runtime.txt /tmp/runtime.txt
+COPY requirements/runtime-${VARIANT}.txt /tmp/runtime.txt
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --require-hashes --only-binary=:all: --no-deps \
         -r /tmp/runtime.txt
 
-FROM ${RUNTIME_IMAGE} AS runtime
+FROM runtime-base AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 # DL3008 is ignored for the reason given in the venv stage.
 # hadolint ignore=DL3008
@@ -62,7 +75,9 @@ COPY --from=venv /opt/venv /opt/venv
 WORKDIR /app
 COPY server/ server/
 COPY client/ client/
-COPY model/ model/
+# Only the torch-free modules serving imports (tests/test_serving_without_torch.py serves from these).
+COPY model/__init__.py model/checksum.py model/config.py model/repository.py model/runtime.py \
+     model/tokenizer.py model/
 COPY --from=export /src/proto/ proto/
 COPY --from=export /model /model
 # Compiled now: the Kubernetes manifests mount the root filesystem read-only.

@@ -15,7 +15,7 @@ PROTO_OUT := proto/embedding/v1/embedding_pb2.py
 LINT_PATHS := model export server client bench tests scripts
 TYPED_PATHS := model export server client
 
-.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server soak clean
+.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-front soak clean
 
 install: $(STAMP)
 
@@ -67,25 +67,34 @@ k8s: $(STAMP)
 # Needs a Docker engine (none on the CI machine).
 image:
 	docker build -t minilm-embed:gpu .
-	docker build -t minilm-embed:cpu --build-arg RUNTIME_IMAGE=ubuntu:noble-20251001 .
+	docker build -t minilm-embed:cpu --build-arg VARIANT=cpu .
 
-# The runtime image's hash-pinned lock file.
-lock: $(STAMP)
-	$(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
-		--python-platform x86_64-manylinux_2_28 -o requirements/runtime.txt
+# The runtime images' hash-pinned lock files: onnxruntime-gpu for the GPU image; for the CPU image
+# onnxruntime in its place (requirements/runtime-cpu.in; the override removes onnxruntime-gpu).
+# uv runs from its own venv: the dev venv never gets plain onnxruntime or anything else from here.
+LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28
+lock:
+	test -x build/uv/bin/uv || ($(PYTHON) -m venv build/uv && build/uv/bin/pip install -q uv)
+	build/uv/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) -o requirements/runtime-gpu.txt
+	build/uv/bin/uv pip compile pyproject.toml requirements/runtime-cpu.in \
+		--override requirements/runtime-cpu.overrides $(LOCK_FLAGS) -o requirements/runtime-cpu.txt
 
 # The long soak (10 minutes, 256 concurrent callers); `make test` runs the same test for 60 s.
 soak: $(STAMP) proto model
 	EMBED_SOAK_SECONDS=600 EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra tests/reliability/test_soak.py
 
-bench: bench-model bench-server
+bench: bench-model bench-server bench-front
 
 bench-model: $(STAMP) proto model
 	$(BIN)/python bench/bench_model.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 bench-server: $(STAMP) proto model
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_server.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
+# The front end's capacity with an instant stand-in model (1 and 2 fronts, server CPU per request from
+# /proc, against the floor of an empty Python gRPC handler), then the real model with 1 and 2 fronts.
+bench-front: $(STAMP) proto model
+	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_front.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 clean:
 	rm -rf build $(VENV) proto/embedding/v1/*_pb2*.py proto/embedding/v1/*_pb2*.pyi

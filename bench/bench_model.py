@@ -4,14 +4,20 @@
 
 Every setup embeds the same sentences (STS-B dev, else the project's parity sentences repeated), texts in
 and vectors out, tokenization included, with the same thread count:
-- sentence-transformers on torch (device cpu; it sorts inputs by length itself), batch 32 and 128;
+- sentence-transformers on torch (device cpu; it sorts inputs by length itself), batch 32 and 128, and
+  in bfloat16 at batch 32 (`model.to(torch.bfloat16)`, what a torch user gets in one line);
 - the model repository's session as the server builds it (export.optimize.cpu_session), batches of
   length-sorted or unsorted (file order) sentences, batch 32 and 128;
 - the same session with ORT's SkipLayerNormFusion switched back on, batch 32 sorted;
 - the int8 graph, where the repository ships one, batch 32 sorted and unsorted;
+- fp32 and int8 in the server's layout: two callers, each on a one-thread session, batch 32 sorted;
 - with --baseline-model-dir, another repository's graph (e.g. one built at an earlier commit), batch
   32 sorted and unsorted: a graph change measured against its predecessor in the same run.
 Each setup runs --repeats times after a warm-up; the fastest run is reported (the machine is shared).
+"vs fp32" is over the fp32 graph in the same layout and order. A matmul microbenchmark (torch fp32 and
+bf16, ONNX Runtime's MatMulIntegerToFloat, the int8 graph's kernel) gives this machine's peaks, and
+the table's last column is the share of the peak of the row's precision that the whole model reaches
+(FLOP per token counted from the model's shapes).
 Writes a markdown table to stdout and JSON to --out (default build/bench/model.json).
 """
 
@@ -23,6 +29,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,10 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, FP32_FILE, INT8_FILE, cpu_session
+from export.optimize import CPU_DISABLED_OPTIMIZERS, cpu_session
 from export.parity import CARRIED_SENTENCES, onnx_embedder
+from model.config import EncoderConfig
 from model.data import read_sts, sts_path
 from model.evaluate import length_sorted
+from model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
 from model.tokenizer import Tokenizer
 
 BATCHES = (32, 128)
@@ -62,8 +71,12 @@ class Result:
     sentences_per_s: float
     tokens_per_s: float
     padding_fraction: float  # padded positions / all positions fed to the model
+    precision: str = "fp32"
     ratio_vs_st: float = 0.0  # sentences/s over sentence-transformers' at the same batch size
+    ratio_vs_fp32: float = 0.0  # over the fp32 graph in the same layout, order and batch (onnx rows)
+    peak_share: float = 0.0  # model FLOP/s over the measured matmul peak of this precision
     max_abs_diff_vs_st: float = 0.0  # against sentence-transformers' vectors at batch 32
+    min_cosine_vs_st: float = 1.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,11 +126,38 @@ def onnx_texts(session: ort.InferenceSession, tokenizer: Tokenizer, batch: int, 
     return lambda texts: run(tokenizer.encode(texts).ids)
 
 
-def st_texts(weights_dir: Path, max_length: int) -> Callable[[int], EmbedTexts]:
+def two_callers(path: Path, tokenizer: Tokenizer, batch: int) -> EmbedTexts:
+    """The server's CPU layout: two callers, each running every other length-sorted batch on a
+    one-thread session (one session shared, as the server's one-thread instances share one)."""
+    session = cpu_session(path, 1)
+    embed = onnx_embedder(session, batch)
+
+    def run(rows: list[list[int]]) -> np.ndarray:
+        batches = [rows[i : i + batch] for i in range(0, len(rows), batch)]
+        parts: list[list[np.ndarray]] = [[], []]
+        callers = [
+            threading.Thread(target=lambda k=k: parts[k].extend(embed(b) for b in batches[k::2]))
+            for k in range(2)
+        ]
+        for c in callers:
+            c.start()
+        for c in callers:
+            c.join()
+        out = [parts[i % 2][i // 2] for i in range(len(batches))]
+        return np.concatenate(out)
+
+    sorted_run = length_sorted(run)
+    return lambda texts: sorted_run(tokenizer.encode(texts).ids)
+
+
+def st_texts(
+    weights_dir: Path, max_length: int, dtype: torch.dtype = torch.float32
+) -> Callable[[int], EmbedTexts]:
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(weights_dir), device="cpu", local_files_only=True)
     model.max_seq_length = max_length
+    model.to(dtype)
 
     def at_batch(batch: int) -> EmbedTexts:
         return lambda texts: np.asarray(model.encode(texts, batch_size=batch, convert_to_numpy=True))
@@ -148,13 +188,17 @@ class Setup:
     order: str
     batch: int
     embed: EmbedTexts
+    precision: str = "fp32"
+    layout: str = "2 threads"  # or "2 x 1 thread": the fp32 row a lower precision is compared with
 
 
 def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) -> list[Setup]:
     """Every setup measured, sentence-transformers first (its batch-32 vectors are the reference)."""
     st = st_texts(weights_dir, tokenizer.max_length)
     found = [Setup("sentence-transformers (torch)", "sorted by ST", batch, st(batch)) for batch in BATCHES]
-    model = args.model_dir / "model.onnx"
+    bf16 = st_texts(weights_dir, tokenizer.max_length, torch.bfloat16)(32)
+    found.append(Setup("sentence-transformers bf16 (torch)", "sorted by ST", 32, bf16, "bf16"))
+    model = args.model_dir / FP32_FILE
     session = cpu_session(model, args.threads)
     for batch in BATCHES:
         for sort in (True, False):
@@ -164,16 +208,22 @@ def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) ->
             )
     fused = onnx_texts(cpu_session(model, args.threads, disabled_optimizers=()), tokenizer, 32, sort=True)
     found.append(Setup("onnx + SkipLayerNormFusion", "length-sorted", 32, fused))
-    others = [("onnx int8", args.model_dir / INT8_FILE)]
+    others = [("onnx int8", args.model_dir / INT8_FILE, "int8")]
     if args.baseline_model_dir is not None:
-        others.append((f"onnx, baseline {args.baseline_model_dir}", args.baseline_model_dir / FP32_FILE))
-    for engine, path in others:
+        others.append((f"onnx, baseline {args.baseline_model_dir}", args.baseline_model_dir / FP32_FILE, ""))
+    for engine, path, precision in others:
         if not path.is_file():
             continue
         other = cpu_session(path, args.threads)
         for sort in (True, False):
             order = "length-sorted" if sort else "unsorted"
-            found.append(Setup(engine, order, 32, onnx_texts(other, tokenizer, 32, sort)))
+            found.append(Setup(engine, order, 32, onnx_texts(other, tokenizer, 32, sort), precision))
+    for engine, path, precision in [("onnx (server settings)", model, "fp32"), *others[:1]]:
+        if path.is_file():
+            embed = two_callers(path, tokenizer, 32)
+            found.append(
+                Setup(f"{engine}, 2 x 1 thread", "length-sorted", 32, embed, precision, "2 x 1 thread")
+            )
     return found
 
 
@@ -203,28 +253,102 @@ def result(setup: Setup, times: list[float], work: Workload) -> Result:
         sentences_per_s=len(work.texts) / best,
         tokens_per_s=sum(work.lengths) / best,
         padding_fraction=padding_fraction(work, setup.order, setup.batch),
+        precision=setup.precision,
     )
 
 
-def run_all(found: list[Setup], work: Workload) -> list[Result]:
+def run_all(
+    found: list[Setup], work: Workload, flop_per_token: float, peaks: dict[str, float]
+) -> list[Result]:
     times, vectors = timings(found, work)
     results = [result(setup, t, work) for setup, t in zip(found, times, strict=True)]
-    baseline = {r.batch: r.sentences_per_s for r in results if r.engine.startswith("sentence")}
-    for r, v in zip(results, vectors, strict=True):
-        r.ratio_vs_st = r.sentences_per_s / baseline[r.batch]
+    st = {r.batch: r.sentences_per_s for r in results if r.engine == "sentence-transformers (torch)"}
+    fp32 = {
+        (s.layout, r.order, r.batch): r.tokens_per_s
+        for s, r in zip(found, results, strict=True)
+        if s.engine.startswith("onnx (server settings)")
+    }
+    for s, r, v in zip(found, results, vectors, strict=True):
+        r.ratio_vs_st = r.sentences_per_s / st[r.batch]
+        if s.engine.startswith("onnx") and (s.layout, r.order, r.batch) in fp32:
+            r.ratio_vs_fp32 = r.tokens_per_s / fp32[(s.layout, r.order, r.batch)]
+        r.peak_share = r.tokens_per_s * flop_per_token / (peaks.get(r.precision, 0.0) * 1e9 or float("inf"))
         r.max_abs_diff_vs_st = float(np.abs(v - vectors[0]).max())
+        r.min_cosine_vs_st = float(((v * vectors[0]).sum(1) / np.linalg.norm(v, axis=1)).min())
     return results
+
+
+def flop_per_token(config: EncoderConfig) -> float:
+    """Linear layers' FLOP per real token (attention's score and mix work, ~1.5 kFLOP x T, left out)."""
+    c, f = config.hidden_size, config.intermediate_size
+    return 2.0 * config.num_layers * (4 * c * c + 2 * c * f)
+
+
+def matmul_peaks(threads: int, m: int = 2048, k: int = 2048, n: int = 2048) -> dict[str, float]:
+    """GFLOP/s (GOP/s for int8) of one big matmul: torch fp32 and bf16, and ORT's int8 kernel."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    peaks = {"fp32": _rate(lambda: a @ b, m, k, n)}
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    peaks["bf16"] = _rate(lambda: a16 @ b16, m, k, n)
+    session, feed = _ort_int8_matmul(threads, m, k, n)
+    peaks["int8"] = _rate(lambda: session.run(None, feed), m, k, n)
+    return peaks
+
+
+def _rate(run: Callable[[], object], m: int, k: int, n: int, calls: int = 10) -> float:
+    run()
+    best = min(_seconds(run, calls) for _ in range(3))
+    return 2.0 * m * k * n / best / 1e9
+
+
+def _seconds(run: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
+def _ort_int8_matmul(
+    threads: int, m: int, k: int, n: int
+) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
+    """MatMulIntegerToFloat (uint8 x int8, per-row A scale), as the int8 graph runs it."""
+    rng = np.random.default_rng(0)
+    helper, numpy_helper = onnx.helper, onnx.numpy_helper
+    weights = [
+        numpy_helper.from_array(rng.integers(-127, 128, (k, n)).astype(np.int8), "w"),
+        numpy_helper.from_array(np.full(n, 0.01, np.float32), "w_scale"),
+        numpy_helper.from_array(np.array(128, np.uint8), "zp"),
+    ]
+    node = helper.make_node(
+        "MatMulIntegerToFloat", ["x", "w", "x_scale", "w_scale", "zp"], ["y"], domain="com.microsoft"
+    )
+    inputs = [
+        helper.make_tensor_value_info("x", onnx.TensorProto.UINT8, [m, k]),
+        helper.make_tensor_value_info("x_scale", onnx.TensorProto.FLOAT, [m, 1]),
+    ]
+    output = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [m, n])
+    graph = helper.make_graph([node], "int8_matmul", inputs, [output], weights)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=[CPU_PROVIDER])
+    feed = {"x": rng.integers(0, 256, (m, k)).astype(np.uint8), "x_scale": np.ones((m, 1), np.float32)}
+    return session, feed
 
 
 def table(results: list[Result]) -> str:
     lines = [
-        "| engine | order | batch | sentences/s | real tokens/s | vs ST | padding | max abs diff vs ST |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| engine | order | batch | sentences/s | real tokens/s | vs ST | vs fp32 | padding "
+        "| min cosine vs ST | share of peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        vs_fp32 = f"{r.ratio_vs_fp32:.2f}x" if r.ratio_vs_fp32 else "-"
         lines.append(
             f"| {r.engine} | {r.order} | {r.batch} | {r.sentences_per_s:.0f} | {r.tokens_per_s:.0f} "
-            f"| {r.ratio_vs_st:.2f}x | {r.padding_fraction:.0%} | {r.max_abs_diff_vs_st:.1e} |"
+            f"| {r.ratio_vs_st:.2f}x | {vs_fp32} | {r.padding_fraction:.0%} | {r.min_cosine_vs_st:.5f} "
+            f"| {r.peak_share:.0%} {r.precision} |"
         )
     return "\n".join(lines)
 
@@ -232,19 +356,26 @@ def table(results: list[Result]) -> str:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    manifest = json.loads((args.model_dir / "manifest.json").read_text(encoding="utf-8"))
-    tokenizer = Tokenizer(args.model_dir / "tokenizer.json", manifest["max_input_tokens"])
+    manifest = read_manifest(args.model_dir)
+    tokenizer = Tokenizer(args.model_dir / TOKENIZER_FILE, manifest.config.max_seq_length)
     texts, source = sentences(args.data_dir, args.sentences)
     work = Workload(texts, tokenizer.encode(texts).lengths, args.repeats)
     load_before = os.getloadavg()[0]
-    results = run_all(setups(args, tokenizer, Path(manifest["source"])), work)
+    peaks = matmul_peaks(args.threads)
+    per_token = flop_per_token(manifest.config)
+    results = run_all(setups(args, tokenizer, Path(manifest.source)), work, per_token, peaks)
     load = (load_before, os.getloadavg()[0])
     print(
         f"{len(texts)} sentences ({source}), {sum(work.lengths)} real tokens, {args.threads} threads, "
         f"best of {args.repeats}; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after\n"
     )
     print(table(results))
-    model = args.model_dir / "model.onnx"
+    print(
+        f"\nmatmul peaks ({args.threads} threads, 2048^3): "
+        + ", ".join(f"{k} {v:,.0f} GFLOP/s" for k, v in peaks.items())
+        + f"; the model's linear layers: {per_token / 1e6:.1f} MFLOP per real token"
+    )
+    model = args.model_dir / FP32_FILE
     fusion = {
         "server_settings": skip_layer_norm_nodes(model, list(CPU_DISABLED_OPTIMIZERS)),
         "all_optimizers": skip_layer_norm_nodes(model, []),
@@ -255,7 +386,7 @@ def main() -> int:
     )
     report = {
         "model_dir": str(args.model_dir),
-        "onnx_sha256": manifest["onnx_sha256"],
+        "onnx_sha256": manifest.onnx_sha256,
         "sentences": len(texts),
         "source": source,
         "real_tokens": sum(work.lengths),
@@ -264,6 +395,8 @@ def main() -> int:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "load_average": load},
         "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
         "skip_layer_norm_nodes": fusion,
+        "matmul_peaks_gflops": peaks,
+        "flop_per_token": per_token,
         "results": [asdict(r) for r in results],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

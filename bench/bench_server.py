@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -31,16 +32,26 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.client import AsyncEmbeddingClient, embed_request
+from client.client import AsyncEmbeddingClient, Security, embed_request
 from export.optimize import cpu_session
 from export.parity import CARRIED_SENTENCES
 from model.data import read_sts, sts_path
+from model.repository import FP32_FILE, TOKENIZER_FILE
+from model.runtime import run_graph
 from model.tokenizer import Tokenizer, pad_batch
 from server.backend import usable_cores
 from tests.server_process import start_server
 
 CONCURRENCY = (1, 16, 64, 256)
-CALLS_PER_CHANNEL = 64
+# Callers per connection. Each client keeps a connection of its own (gRPC channels share one by
+# default), so that the kernel can spread connections over several front processes.
+CALLS_PER_CHANNEL = 8
+
+
+@dataclass(frozen=True)
+class OwnConnection(Security):
+    def options(self) -> list[tuple[str, Any]]:
+        return [*super().options(), ("grpc.use_local_subchannel_pool", 1)]
 
 
 @dataclass
@@ -67,7 +78,7 @@ def sentences(data_dir: Path | None) -> list[str]:
 
 def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) -> list[Row]:
     """In-process ORT on length-sorted batches, in both layouts; best of `repeats` passes each."""
-    tokenizer = Tokenizer(model_dir / "tokenizer.json", 256)
+    tokenizer = Tokenizer(model_dir / TOKENIZER_FILE, 256)
     rows = sorted(tokenizer.encode(texts).ids, key=len)
     batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
     tokens = sum(len(r) for r in rows)
@@ -76,7 +87,7 @@ def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) ->
     def run_all(session: ort.InferenceSession, callers: int) -> float:
         def work(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
             for ids, lengths in part:
-                session.run(None, {"input_ids": ids, "lengths": lengths})
+                run_graph(session, ids, lengths)
 
         threads = [threading.Thread(target=work, args=(batches[i::callers],)) for i in range(callers)]
         started = time.perf_counter()
@@ -91,7 +102,7 @@ def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) ->
         (f"in-process ORT, 1 session x {cores} threads", cores, 1),
         (f"in-process ORT, {cores} callers x 1 thread", 1, cores),
     ):
-        session = cpu_session(model_dir / "model.onnx", threads)
+        session = cpu_session(model_dir / FP32_FILE, threads)
         run_all(session, callers)  # warm
         runs = [tokens / run_all(session, callers) for _ in range(repeats)]
         best = max(runs)
@@ -120,9 +131,10 @@ async def load(address: str, texts: list[str], concurrency: int, per_request: in
             totals["inputs"] += per_request
             totals["tokens"] += response.total_tokens
 
-    # One connection per 64 callers, well under the server's concurrent calls per connection
+    # One connection per 8 callers, well under the server's concurrent calls per connection
     # (--max-concurrent-streams, 1024 by default), past which it refuses streams (REFUSED_STREAM).
-    clients = [AsyncEmbeddingClient(address, timeout=60) for _ in range(-(-concurrency // CALLS_PER_CHANNEL))]
+    count = -(-concurrency // CALLS_PER_CHANNEL)
+    clients = [AsyncEmbeddingClient(address, timeout=60, security=OwnConnection()) for _ in range(count)]
     for client in clients:
         await client.embed(texts[:4])  # connect
     started = time.perf_counter()

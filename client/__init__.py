@@ -1,5 +1,25 @@
 """A small client for the embedding service, sync and asyncio, with retries on UNAVAILABLE."""
 
 from client.client import DEFAULT_ADDRESS, AsyncEmbeddingClient, EmbeddingClient, Security, service_config
+from client.errors import (
+    DeadlineExceeded,
+    EmbeddingError,
+    InvalidInput,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
 
-__all__ = ["DEFAULT_ADDRESS", "AsyncEmbeddingClient", "EmbeddingClient", "Security", "service_config"]
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "AsyncEmbeddingClient",
+    "DeadlineExceeded",
+    "EmbeddingClient",
+    "EmbeddingError",
+    "InvalidInput",
+    "Overloaded",
+    "Security",
+    "Unauthenticated",
+    "Unavailable",
+    "service_config",
+]

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import grpc
-import numpy as np
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
+from client import bulk
 from client.client import (
     DEFAULT_ADDRESS,
     AsyncEmbeddingClient,
@@ -22,10 +22,6 @@ from client.client import (
     embed_request,
     to_array,
 )
-
-
-class InputFileError(Exception):
-    """A corpus file that cannot be embedded as given; the message names the line."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,12 +48,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--no-truncate", action="store_true")
     ef = sub.add_parser(
-        "embed-file", help="embed a file, one text per line, into a .npy of rows in file order"
+        "embed-file",
+        help="embed a file, one text per line (or JSONL), into .npy or .jsonl rows in input order",
+        description=bulk.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ef.add_argument("path", type=Path)
-    ef.add_argument("--out", type=Path, required=True)
+    ef.add_argument("path", help="input file, or - for standard input")
+    ef.add_argument("--out", type=Path, required=True, help="output: .npy or .jsonl")
+    ef.add_argument("--jsonl", action="store_true", help='input lines are {"id": ..., "text": "..."}')
+    ef.add_argument("--resume", action="store_true", help="continue the rows already in --out")
     ef.add_argument("--batch-size", type=int, default=32, help="texts per request")
     ef.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    ef.add_argument("--retries", type=int, default=10, help="per request, on RESOURCE_EXHAUSTED/UNAVAILABLE")
+    ef.add_argument("--no-normalize", action="store_true")
     sub.add_parser("info", help="the model and limits of the server; JSON out")
     return p.parse_args(argv)
 
@@ -86,33 +89,44 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-async def embed_file(args: argparse.Namespace) -> np.ndarray:
-    lines = args.path.read_text(encoding="utf-8").splitlines()
-    blank = next((n for n, line in enumerate(lines, start=1) if not line), None)
-    if blank is not None:
-        raise InputFileError(f"{args.path}:{blank}: empty line (the file holds one text per line)")
-    chunks = [lines[i : i + args.batch_size] for i in range(0, len(lines), args.batch_size)]
-    results: list[np.ndarray | None] = [None] * len(chunks)
-    slots = asyncio.Semaphore(args.concurrency)
-    async with AsyncEmbeddingClient(args.address, args.timeout, security(args)) as c:
-        with tqdm(total=len(lines), unit="text", file=sys.stderr) as bar:
+def bulk_job(args: argparse.Namespace) -> bulk.Job:
+    for name in ("batch_size", "concurrency"):
+        if getattr(args, name) < 1:
+            raise bulk.InputFileError(
+                f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
+            )
+    return bulk.Job(
+        source=None if args.path == "-" else Path(args.path),
+        out=args.out,
+        jsonl=args.jsonl,
+        resume=args.resume,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        normalize=not args.no_normalize,
+        backoff=bulk.Backoff(retries=max(args.retries, 0)),
+    )
 
-            async def one(i: int) -> None:
-                async with slots:
-                    results[i] = await c.embed(chunks[i])
-                bar.update(len(chunks[i]))
 
-            await asyncio.gather(*(one(i) for i in range(len(chunks))))
-    return np.concatenate([r for r in results if r is not None]) if chunks else np.zeros((0, 0), np.float32)
+async def embed_file(job: bulk.Job, address: str, timeout: float, security: Security) -> bulk.Stats:
+    async with AsyncEmbeddingClient(address, timeout, security) as c:
+        dims = (await c.info()).dimensions
+        with tqdm(unit="text", file=sys.stderr) as bar:
+            return await bulk.run_job(job, c, dims, bar.update)
 
 
 def cmd_embed_file(args: argparse.Namespace) -> int:
-    vectors = asyncio.run(embed_file(args))
-    np.save(args.out, vectors)
-    print(
-        f"wrote {vectors.shape[0]} x {vectors.shape[1] if vectors.ndim == 2 else 0} to {args.out}",
-        file=sys.stderr,
-    )
+    job = bulk_job(args)
+    try:
+        stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
+    except (grpc.RpcError, KeyboardInterrupt):
+        if job.out.exists():
+            print(
+                f"client: {job.out} holds whole rows only; run again with --resume to continue",
+                file=sys.stderr,
+            )
+        raise
+    resumed = f", {stats.resumed} of them from before" if stats.resumed else ""
+    print(f"wrote {stats.rows} rows to {job.out}{resumed}; {stats.retried} refusals retried", file=sys.stderr)
     return 0
 
 
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         print(f"client: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    except (OSError, UnicodeDecodeError, InputFileError) as e:
+    except (OSError, bulk.InputFileError, bulk.OutputFileError) as e:
         print(f"client: error: {e}", file=sys.stderr)
         return 2
 

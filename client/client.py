@@ -2,7 +2,8 @@
 
 Channels use round_robin over every address the target resolves to (`dns:///name:port` for a
 Kubernetes headless Service) and retry UNAVAILABLE (a replica draining or warming up) with backoff,
-through the gRPC service config, so a rolling restart costs the caller nothing.
+through the gRPC service config, so a rolling restart costs the caller nothing. A call that fails
+raises one of client.errors' exceptions (InvalidInput, Overloaded, Unavailable, ...).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from typing import Any
 import grpc
 import numpy as np
 
+from client.errors import from_rpc_error
+from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-SERVICE = "embedding.v1.EmbeddingService"
 
 
 def service_config(max_attempts: int = 5) -> str:
+    """The channel's service config (JSON): round_robin over healthy replicas, UNAVAILABLE retried."""
     policy = {
         "maxAttempts": max_attempts,
         "initialBackoff": "0.05s",
@@ -36,13 +39,14 @@ def service_config(max_attempts: int = 5) -> str:
             "loadBalancingConfig": [{"round_robin": {}}],
             # Client-side health checking: round_robin skips replicas that say NOT_SERVING
             # (warming up, draining) instead of spending retries on them.
-            "healthCheckConfig": {"serviceName": SERVICE},
-            "methodConfig": [{"name": [{"service": SERVICE}], "retryPolicy": policy}],
+            "healthCheckConfig": {"serviceName": SERVICE_NAME},
+            "methodConfig": [{"name": [{"service": SERVICE_NAME}], "retryPolicy": policy}],
         }
     )
 
 
 def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+    """gRPC channel options: the service config, retries on, and the largest message either way."""
     return [
         ("grpc.service_config", service_config()),
         ("grpc.enable_retries", 1),
@@ -62,6 +66,7 @@ class Security:
     server_name: str | None = None  # check the certificate against this name instead of the address
 
     def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS channel credentials, or None for a plaintext channel (no `ca_cert`)."""
         if self.ca_cert is None:
             return None
         key = self.client_key.read_bytes() if self.client_key else None
@@ -69,9 +74,11 @@ class Security:
         return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the `authorization: Bearer` header when a token is set."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def options(self) -> list[tuple[str, Any]]:
+        """`channel_options()`, plus the certificate name override when `server_name` is set."""
         override = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
         return channel_options() + override
 
@@ -82,6 +89,7 @@ def embed_request(
     normalize: bool = True,
     truncate: bool = True,
 ) -> pb.EmbedRequest:
+    """An Embed request for texts or token-id sequences (one of the two), asking for float32 bytes."""
     return pb.EmbedRequest(
         texts=list(texts or []),
         token_ids=[pb.TokenIds(ids=list(ids)) for ids in token_ids or []],
@@ -109,7 +117,11 @@ def open_channel(address: str, security: Security, api: Any) -> Any:
 
 
 class EmbeddingClient:
-    """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`."""
+    """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`.
+
+    `timeout` is seconds per call (None: no deadline). Every method raises a client.errors.EmbeddingError
+    subclass when the call fails.
+    """
 
     def __init__(
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
@@ -120,23 +132,34 @@ class EmbeddingClient:
         self.timeout = timeout
         self.metadata = security.metadata()
 
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
     def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
+        """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
+        return self._call(self.stub.Embed, request)
 
     def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+        """(len(texts), D) float32 vectors, in input order; `truncate=False` refuses over-long texts."""
         return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
 
     def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
+        """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
         return to_array(self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
 
     def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
-        request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
-        return self.stub.Tokenize(request, timeout=self.timeout, metadata=self.metadata)
+        """The ids the server would embed for each text, with each one's usage."""
+        return self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=list(texts), truncate=truncate))
 
     def info(self) -> pb.InfoResponse:
-        return self.stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
+        """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""
+        return self._call(self.stub.Info, pb.InfoRequest())
 
     def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         self.channel.close()
 
     def __enter__(self) -> EmbeddingClient:
@@ -147,7 +170,10 @@ class EmbeddingClient:
 
 
 class AsyncEmbeddingClient:
-    """asyncio client. `async with AsyncEmbeddingClient() as c: vectors = await c.embed([...])`."""
+    """asyncio client. `async with AsyncEmbeddingClient() as c: vectors = await c.embed([...])`.
+
+    The same methods, arguments and exceptions as EmbeddingClient, awaited.
+    """
 
     def __init__(
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
@@ -158,25 +184,36 @@ class AsyncEmbeddingClient:
         self.timeout = timeout
         self.metadata = security.metadata()
 
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
     async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return await self.stub.Embed(request, timeout=self.timeout, metadata=self.metadata)
+        """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
+        return await self._call(self.stub.Embed, request)
 
     async def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+        """(len(texts), D) float32 vectors, in input order; `truncate=False` refuses over-long texts."""
         return to_array(
             await self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate))
         )
 
     async def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
+        """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
         return to_array(await self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
 
     async def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
-        request = pb.TokenizeRequest(texts=list(texts), truncate=truncate)
-        return await self.stub.Tokenize(request, timeout=self.timeout, metadata=self.metadata)
+        """The ids the server would embed for each text, with each one's usage."""
+        return await self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=list(texts), truncate=truncate))
 
     async def info(self) -> pb.InfoResponse:
-        return await self.stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self.metadata)
+        """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""
+        return await self._call(self.stub.Info, pb.InfoRequest())
 
     async def close(self) -> None:
+        """Close the channel; calls in flight are cancelled."""
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncEmbeddingClient:

@@ -7,7 +7,6 @@ passes, so a failed export never leaves a half-written repository behind.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -22,10 +21,11 @@ import tokenizers
 import torch
 
 from export.onnx import IR_VERSION, OPSET, export_onnx, save
-from export.optimize import FP32_FILE, INT8_FILE, cpu_session, graph_plan, quantize_int8
+from export.optimize import cpu_session, graph_plan, quantize_int8
 from export.parity import ParityError, ParityReport, run_int8_gate, run_parity
 from model.checksum import sha256_file
 from model.data import DataError, read_sts, sts_path
+from model.repository import FP32_FILE, INT8_FILE, MANIFEST_FILE, TOKENIZER_FILE, Manifest
 from model.tokenizer import Tokenizer
 from model.weights import (
     DEFAULT_SHA256,
@@ -35,7 +35,6 @@ from model.weights import (
     load_checkpoint,
 )
 
-MANIFEST_VERSION = 1
 CALIBRATION_SENTENCES = 800
 
 
@@ -68,61 +67,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def manifest(
-    ckpt: Checkpoint, onnx_path: Path, parity: dict[str, Any], int8: dict[str, Any] | None
-) -> dict[str, Any]:
-    c = ckpt.config
+def versions() -> dict[str, str]:
     return {
-        "manifest_version": MANIFEST_VERSION,
-        "model_id": ckpt.model_id,
-        "source": str(ckpt.directory),
-        "weights_sha256": ckpt.sha256,
-        "onnx_sha256": sha256_file(onnx_path),
-        "config": c.to_dict(),
-        "dimensions": c.hidden_size,
-        "max_input_tokens": c.max_seq_length,
-        "pooling": c.pooling,
-        "normalize": c.normalize,
-        "opset": OPSET,
-        "ir_version": IR_VERSION,
-        "inputs": {"input_ids": "int64 [batch, sequence]", "lengths": "int64 [batch]"},
-        "outputs": {"embeddings": "float32 [batch, dim], L2-normalised", "pooled": "float32 [batch, dim]"},
-        "graphs": [
-            {**g, "sha256": sha256_file(onnx_path.parent / str(g["file"]))}
-            for g in graph_plan(int8 is not None)
-        ],
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "onnx": onnx.__version__,
-            "onnxruntime": onnxruntime.__version__,
-            "tokenizers": tokenizers.__version__,
-        },
-        "parity": parity,
-        "parity_int8": int8 or {"skipped": "int8 is calibrated on STS-B train: give --data-dir"},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "tokenizers": tokenizers.__version__,
     }
+
+
+def manifest(
+    ckpt: Checkpoint, staging: Path, parity: dict[str, Any], int8: dict[str, Any] | None
+) -> Manifest:
+    return Manifest(
+        model_id=ckpt.model_id,
+        source=str(ckpt.directory),
+        weights_sha256=ckpt.sha256,
+        onnx_sha256=sha256_file(staging / FP32_FILE),
+        config=ckpt.config,
+        opset=OPSET,
+        ir_version=IR_VERSION,
+        graphs=graph_plan(staging, int8 is not None),
+        versions=versions(),
+        parity=parity,
+        parity_int8=int8 or {"skipped": "int8 is calibrated on STS-B train: give --data-dir"},
+    )
 
 
 def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
-    tokenizer = Tokenizer(weights / "tokenizer.json", ckpt.config.max_seq_length)
+    tokenizer = Tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
-    shutil.copyfile(weights / "tokenizer.json", staging / "tokenizer.json")
+    shutil.copyfile(weights / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())
     report.raise_on_failure()
     int8_report = build_int8(staging, tokenizer, data_dir) if int8 and data_dir is not None else None
     figures = int8_report.to_dict() if int8_report else None
-    text = json.dumps(manifest(ckpt, onnx_path, report.to_dict(), figures), indent=2, sort_keys=True)
-    (staging / "manifest.json").write_text(text + "\n", encoding="utf-8")
+    text = manifest(ckpt, staging, report.to_dict(), figures).to_json()
+    (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
 
 def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path) -> ParityReport:
-    """Static int8, calibrated on STS-B train sentences (never dev or test), behind its own gate."""
+    """Per-token int8, smoothed with scales from STS-B train (never dev or test), behind its own gate."""
     pairs = read_sts(sts_path(data_dir, "train"))
     sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
     quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.encoder import Encoder
+from model.repository import EMBEDDINGS, INPUT_IDS, INPUTS, LENGTHS, OUTPUTS, POOLED
 
 OPSET = 17
 # onnx 1.23 stamps IR version 14 on new models, which onnxruntime 1.31 refuses (it reads <= 13).
 IR_VERSION = 8
-INPUT_NAMES = ["input_ids", "lengths"]
-OUTPUT_NAMES = ["embeddings", "pooled"]
 
 
 class ExportedEncoder(nn.Module):
@@ -44,13 +43,13 @@ def export_onnx(encoder: Encoder) -> onnx.ModelProto:
             buffer,  # type: ignore[arg-type]
             dynamo=False,
             opset_version=OPSET,
-            input_names=INPUT_NAMES,
-            output_names=OUTPUT_NAMES,
+            input_names=list(INPUTS),
+            output_names=list(OUTPUTS),
             dynamic_axes={
-                "input_ids": {0: "batch", 1: "sequence"},
-                "lengths": {0: "batch"},
-                "embeddings": {0: "batch"},
-                "pooled": {0: "batch"},
+                INPUT_IDS: {0: "batch", 1: "sequence"},
+                LENGTHS: {0: "batch"},
+                EMBEDDINGS: {0: "batch"},
+                POOLED: {0: "batch"},
             },
             do_constant_folding=True,
         )

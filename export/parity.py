@@ -20,14 +20,16 @@ import onnxruntime as ort
 from model.data import ScoredPair, read_sts, sts_path
 from model.encoder import Encoder
 from model.evaluate import BATCH, Embedder, batched, length_sorted, spearman_x100, torch_embedder
+from model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS
 from model.tokenizer import Tokenizer
 
 MIN_COSINE = 0.99999
 MAX_ABS_DIFF = 1e-5
 MAX_SPEARMAN_GAP = 0.05
-# int8 is an opt-in precision with its own, looser gate.
-INT8_MAX_SPEARMAN_GAP = 0.5
-INT8_MIN_BATCH_COSINE = 0.999
+# int8 is an opt-in precision with its own, looser gate: its vectors are not fp32's, but a sentence's
+# vector must not depend on its batch-mates.
+INT8_MAX_SPEARMAN_GAP = 0.3
+INT8_MIN_BATCH_COSINE = 0.9999
 CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
 
 
@@ -105,7 +107,7 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, max_abs: float | None 
 
 def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH) -> Embedder:
     def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        return np.asarray(session.run(["embeddings"], {"input_ids": ids, "lengths": lengths})[0])
+        return np.asarray(session.run([EMBEDDINGS], {INPUT_IDS: ids, LENGTHS: lengths})[0])
 
     return lambda rows: batched(rows, run, batch)
 
@@ -209,7 +211,7 @@ def _spearman_check(
 def run_int8_gate(
     fp32: ort.InferenceSession, int8: ort.InferenceSession, tokenizer: Tokenizer, data_dir: Path
 ) -> ParityReport:
-    """The int8 graph against fp32: STS-B dev Spearman within 0.5, and batch invariance >= 0.999."""
+    """The int8 graph against fp32: STS-B dev Spearman within 0.3, and batch invariance >= 0.9999."""
     texts, pairs = parity_texts(data_dir)
     rows = tokenizer.encode(texts).ids
     want = length_sorted(onnx_embedder(fp32))(rows)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from model.data import ScoredPair
+from model.data import ScoredPair, read_sts, sts_path
 from model.encoder import Encoder
-from model.tokenizer import pad_batch
+from model.tokenizer import Tokenizer, pad_batch
 
 BATCH = 64
 
@@ -52,3 +54,25 @@ def spearman_x100(vectors: dict[str, np.ndarray], pairs: list[ScoredPair]) -> fl
     b = np.stack([vectors[p.second] for p in pairs])
     cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     return float(spearmanr(cosine, [p.score for p in pairs]).statistic * 100)
+
+
+@dataclass(frozen=True)
+class DevSet:
+    """STS-B dev, tokenized once, to score a model during training."""
+
+    pairs: list[ScoredPair]
+    texts: list[str]
+    rows: list[list[int]]
+
+    @classmethod
+    def load(cls, data_dir: Path, tokenizer: Tokenizer) -> DevSet:
+        pairs = read_sts(sts_path(data_dir, "dev"))
+        texts = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))
+        return cls(pairs, texts, tokenizer.encode(texts).ids)
+
+    def spearman(self, model: Encoder) -> float:
+        """STS-B dev Spearman x100 of cos(u, v), with dropout off."""
+        model.eval()
+        vectors = length_sorted(torch_embedder(model))(self.rows)
+        model.train()
+        return spearman_x100(dict(zip(self.texts, vectors, strict=True)), self.pairs)

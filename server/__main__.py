@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 
-from server.app import configure_process, serve
+from server.app import StartupError, configure_process, serve
 from server.backend import ModelRepositoryError
 from server.config import ConfigError, load_config
+from server.engine import BackendFactory, onnx_backend
 from server.security import SecurityConfigError
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, backend_factory: BackendFactory = onnx_backend) -> int:
+    """Exit status: 0 after a drain, 1 when the engine died, 2 for a setting or file that cannot be used.
+
+    `backend_factory` is how tests and benchmarks put a stand-in model behind the real server; no
+    flag reaches it.
+    """
     try:
         config = load_config(argv, os.environ)
         configure_process(config)
-        asyncio.run(serve(config))
-    except (ConfigError, ModelRepositoryError, SecurityConfigError, ValueError, OSError) as e:
+        return serve(config, backend_factory)
+    except (ConfigError, ModelRepositoryError, SecurityConfigError, StartupError, ValueError, OSError) as e:
         print(f"server: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

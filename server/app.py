@@ -1,251 +1,260 @@
-"""Build, start and stop the server. `create_app` is separate from `serve` so tests bind port 0."""
+"""The supervisor: one engine process, N front processes on one port, one /metrics; signals and deaths.
+
+    python -m server  ->  supervisor ─┬─ engine   (batcher + ONNX Runtime; the only process on the device)
+                                      ├─ front 0  (gRPC: validate, tokenize, respond) ─┐
+                                      └─ front N-1                                     ┴─ one port
+
+Fronts talk to the engine over ZeroMQ on a Unix socket (protocol.py). The supervisor reserves the
+port (SO_REUSEPORT, so every front can bind it, and port 0 resolves once for all), serves /metrics
+summed over every process (prometheus_client's multiprocess mode), and watches its children:
+- SIGTERM or SIGINT: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
+  exit 0.
+- a front that dies is started again on the same port (capacity never shrinks silently);
+- the engine dying: every front answers UNAVAILABLE at once and exits; the supervisor exits 1 so
+  the orchestrator restarts the server.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import multiprocessing
 import os
-import platform
 import signal
+import socket
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
 
-import grpc
-import numpy as np
-import onnxruntime
-import tokenizers
-from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from prometheus_client import multiprocess
 
-from model.tokenizer import Tokenizer
-from proto.embedding.v1 import embedding_pb2 as pb
-from server import __version__
-from server.backend import ModelRepository, OnnxBackend, open_repository
-from server.batcher import Batcher, BatchLimits, RunFn
+from model.repository import CUDA_PROVIDER
+from server.backend import usable_cores, wanted_providers
 from server.config import ServerConfig
-from server.health import SERVICE_NAME, new_health, set_serving
-from server.metrics import Metrics, serve_metrics
-from server.security import BearerAuth, load_token, server_credentials
-from server.service import EmbeddingService, Readiness, register
-from server.tokenization import InputLimits, RequestTokenizer
+from server.engine import BackendFactory, onnx_backend, run_engine
+from server.front import Place, configure_logging, run_front
+from server.security import load_token, server_credentials
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_NOTICE_S = 1.0
-_POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
-_PRECISION = {"fp32": pb.PRECISION_FP32, "fp16": pb.PRECISION_FP16, "int8": pb.PRECISION_INT8}
+STOP_MARGIN_S = 10.0  # beyond the drain timeout, before a child that will not stop is killed
+# glibc's allocator in the fronts (read when they start): blocks of 64 kB and more (texts, messages)
+# are mapped and unmapped on their own, so freed memory goes back to the system instead of staying
+# in the heap; two arenas, not one per thread. A flood of 8 MB requests otherwise left a front 100+ MB
+# larger for good (bench/bench_hostile.py). Not in the engine: ONNX Runtime's tensors are such
+# blocks, and mapping each op's output took the served model to half its speed.
+FRONT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
+
+
+class StartupError(Exception):
+    """A child could not start (a setting or file it cannot use); the message says why."""
+
+
+def plan_fronts(config: ServerConfig, cores: int) -> int:
+    """Front processes: as set, or auto: on CUDA half the cores (at most 8), on the CPU one.
+
+    On the CPU provider the model's own cost dwarfs the front's, and the cores are the model's: a
+    second front added little or lost on 2 cores (README, "Scaling across cores").
+    """
+    if config.front_processes:
+        return config.front_processes
+    if wanted_providers(config.device)[0] == CUDA_PROVIDER:
+        return max(1, min(8, cores // 2))
+    return 1
+
+
+@contextmanager
+def reserved_port(address: str) -> Iterator[str]:
+    """Hold `address`'s port (resolving port 0) with SO_REUSEPORT while the fronts bind it too."""
+    host, _, port = address.rpartition(":")
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((bare or "0.0.0.0", int(port)))
+        yield f"{host}:{sock.getsockname()[1]}"
 
 
 @dataclass
-class App:
+class Supervisor:
     config: ServerConfig
-    server: grpc.aio.Server
-    port: int
-    health: object
-    batcher: Batcher
-    backend: OnnxBackend
-    readiness: Readiness
-    metrics: Metrics
-    repo: ModelRepository
+    backend_factory: BackendFactory
+    run_dir: Path
+    address: str
+    fronts_wanted: int
+    context: Any = field(default_factory=lambda: multiprocessing.get_context("spawn"))
+    engine: BaseProcess | None = None
+    fronts: dict[int, BaseProcess] = field(default_factory=dict)
+    events: dict[Connection, str] = field(default_factory=dict)  # read end -> whose
+    serving: set[int] = field(default_factory=set)
+    facts: Any = None
+    announced: bool = False
 
+    def __post_init__(self) -> None:
+        self.engine_address = f"ipc://{self.run_dir}/engine.sock"
+        self.depth = self.context.RawValue("q", 0)
 
-def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
-    age_ms = int(config.max_connection_age_s * 1000)
-    return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        # Closing connections at a maximum age makes clients re-resolve DNS and spread over new pods.
-        ("grpc.max_connection_age_ms", age_ms),
-        ("grpc.max_connection_age_grace_ms", int(config.drain_timeout_s * 1000)),
-        ("grpc.so_reuseport", 0),
-    ]
+    def pids(self) -> list[int]:
+        children = [self.engine, *self.fronts.values()]
+        return [os.getpid(), *(p.pid for p in children if p is not None and p.pid and p.is_alive())]
 
+    def start_engine(self) -> None:
+        receive, send = self.context.Pipe(duplex=False)
+        stop_when, self._stop_engine = self.context.Pipe(duplex=False)
+        args = (self.config, self.engine_address, self.depth, send, stop_when, self.backend_factory)
+        self.engine = self.context.Process(target=run_engine, args=args, name="engine")
+        self.engine.start()
+        self.events[receive] = "engine"
 
-def _info(config: ServerConfig, repo: ModelRepository, backend: OnnxBackend, vocab: int) -> pb.InfoResponse:
-    m = repo.manifest
-    limits = pb.Limits(
-        max_inputs_per_request=config.max_inputs_per_request,
-        max_input_tokens=repo.max_input_tokens,
-        max_text_chars=config.max_text_chars,
-        max_batch_tokens=config.max_batch_tokens,
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_us=int(config.max_queue_delay_ms * 1000),
-        queue_limit=config.queue_limit,
-        max_message_bytes=config.max_message_bytes,
-        max_stream_in_flight=config.max_stream_in_flight,
-    )
-    versions = {
-        "server": __version__,
-        "onnxruntime": onnxruntime.__version__,
-        "grpcio": grpc.__version__,
-        "tokenizers": tokenizers.__version__,
-        "python": platform.python_version(),
-    }
-    return pb.InfoResponse(
-        model_id=m["model_id"],
-        weights_sha256=m["weights_sha256"],
-        onnx_sha256=m["onnx_sha256"],
-        dimensions=repo.dimensions,
-        max_input_tokens=repo.max_input_tokens,
-        vocab_size=vocab,
-        pooling=_POOLING[m["pooling"]],
-        normalize_default=True,
-        precision=_PRECISION[backend.precision],
-        execution_provider=backend.provider,
-        limits=limits,
-        versions=versions,
-        model_instances=backend.instances,
-        threads_per_instance=backend.threads,
-    )
+    def start_front(self, index: int) -> None:
+        assert self.engine is not None and self.engine.pid is not None
+        receive, send = self.context.Pipe(duplex=False)
+        place = Place(index, self.address, self.engine_address, self.engine.pid, self.depth, send)
+        front = self.context.Process(target=run_front, args=(self.config, place), name=f"front-{index}")
+        front.start()
+        self.fronts[index] = front
+        self.events[receive] = f"front-{index}"
 
+    def on_event(self, whose: str, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "error":
+            raise StartupError(event[1])
+        if kind == "ready":
+            self.facts = event[1]
+        elif kind == "serving":
+            self.serving.add(event[1])
+            if self.announced:  # a front started again after it died
+                log.info("front %d serving again", event[1])
+        if not self.announced and self.facts is not None and len(self.serving) == self.fronts_wanted:
+            self.announced = True
+            port = self.address.rpartition(":")[2]
+            log.info(
+                "serving %s on port %s with %s (warm-up %.2fs, %d front process(es), engine pid %d)",
+                self.config.model_dir,
+                port,
+                self.facts.provider,
+                self.facts.warmup_seconds,
+                self.fronts_wanted,
+                self.facts.pid,
+            )
 
-def _with_fault(run: RunFn, fault_ids: list[int] | None) -> RunFn:
-    """Test-only (off unless --fault-text is set): fail any batch that holds the fault input."""
-    if not fault_ids:
-        return run
-    n = len(fault_ids)
+    def watch(self, wakeup: int, stop: list[int]) -> int:
+        """Until a signal (0) or the engine's end (1): restart fronts that die, handle events."""
+        assert self.engine is not None
+        while True:
+            fronts = {p.sentinel: i for i, p in self.fronts.items()}
+            ready = wait([wakeup, self.engine.sentinel, *fronts, *self.events])
+            for item in ready:
+                if item == wakeup:
+                    os.read(wakeup, 512)
+                elif isinstance(item, Connection):
+                    self._read(item)
+                elif item == self.engine.sentinel:
+                    log.error("the engine process exited with code %s: stopping", self.engine.exitcode)
+                    return 1
+                elif item in fronts:
+                    self._front_died(fronts[item])
+            if stop:
+                return 0
 
-    def faulty(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        for row, length in zip(ids, lengths, strict=True):
-            if length == n and row[:n].tolist() == fault_ids:
-                raise RuntimeError("injected backend fault")
-        return run(ids, lengths)
+    def _read(self, conn: Connection) -> None:
+        try:
+            event = conn.recv()
+        except EOFError:
+            del self.events[conn]
+            return
+        self.on_event(self.events[conn], event)
 
-    return faulty
-
-
-def create_app(config: ServerConfig, metrics: Metrics | None = None) -> App:
-    """Load the model and build the server, not yet started; port 0 in the address picks a free port."""
-    metrics = metrics or Metrics()
-    repo = open_repository(config.model_dir)
-    if config.max_batch_tokens < repo.max_input_tokens:
-        raise ValueError(
-            f"max_batch_tokens {config.max_batch_tokens} cannot hold one input of "
-            f"max_input_tokens {repo.max_input_tokens}"
+    def _front_died(self, index: int) -> None:
+        front = self.fronts[index]
+        log.error(
+            "front %d (pid %s) exited with code %s: starting it again", index, front.pid, front.exitcode
         )
-    backend = OnnxBackend(repo, config.device, config.threads, config.precision, config.model_instances)
-    tokenizer = Tokenizer(repo.directory / "tokenizer.json", repo.max_input_tokens)
-    limits = InputLimits(config.max_inputs_per_request, repo.max_input_tokens, config.max_text_chars)
-    request_tokenizer = RequestTokenizer(tokenizer, limits)
-    fault_ids = tokenizer.encode([config.fault_text]).ids[0] if config.fault_text else None
-    batch_limits = BatchLimits(
-        config.max_batch_tokens,
-        config.max_batch_size,
-        config.max_queue_delay_ms / 1000,
-        config.queue_limit,
-        config.max_padding,
-    )
-    batcher = Batcher(_with_fault(backend.run, fault_ids), batch_limits, metrics, workers=backend.instances)
-    readiness = Readiness()
-    info = _info(config, repo, backend, tokenizer.vocab_size)
-    service = EmbeddingService(
-        request_tokenizer, batcher, info, metrics, readiness, config.max_stream_in_flight
-    )
-    token = load_token(config.auth_token, config.auth_token_file)
-    interceptors = [BearerAuth(token, metrics)] if token else []
-    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
-    register(service, server)
-    health = new_health()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    if credentials is None:
-        port = server.add_insecure_port(config.address)
-    else:
-        port = server.add_secure_port(config.address, credentials)
-    metrics.model.info(
-        {
-            "model_id": info.model_id,
-            "sha256": info.weights_sha256,
-            "precision": backend.precision,
-            "provider": backend.provider,
-        }
-    )
-    metrics.load_seconds.set(backend.load_seconds)
-    return App(config, server, port, health, batcher, backend, readiness, metrics, repo)
+        multiprocess.mark_process_dead(front.pid)
+        self.serving.discard(index)
+        self.start_front(index)
+
+    def stop(self) -> int:
+        """Drain every front, then stop the engine; the exit status for the server."""
+        deadline = time.monotonic() + self.config.drain_timeout_s + STOP_MARGIN_S
+        for front in self.fronts.values():
+            _signal(front, signal.SIGTERM)
+        codes = [_join(front, deadline) for front in self.fronts.values()]
+        if self.engine is not None:
+            self._stop_engine.close()  # the engine stops when this pipe closes
+            codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
+        return 0 if all(code == 0 for code in codes) else 1
 
 
-def warm_up(app: App) -> float:
-    """Run representative shapes, up to the batch budget, on every instance at once.
-
-    First requests then do not pay for ORT's first-run allocations, and its memory arena reaches
-    the high-water mark of concurrent full batches before serving. Without the concurrent part the
-    600 s soak saw resident memory creep up 6.6% as rarer pairs of big batches met; with it, an
-    in-process run of random batches stayed within 0.2%.
-    """
-    started = time.perf_counter()
-    longest = app.repo.max_input_tokens
-    shapes = []
-    for length in (8, 16, 32, 64, 128, longest):
-        rows = max(1, min(app.config.max_batch_size, app.config.max_batch_tokens // length))
-        shapes += [(batch, length) for batch in sorted({1, rows})]
-
-    def one_instance() -> None:
-        for batch, length in shapes:
-            ids = np.full((batch, length), 1000, dtype=np.int64)
-            app.backend.run(ids, np.full(batch, length, dtype=np.int64))
-
-    with ThreadPoolExecutor(app.backend.instances, thread_name_prefix="warm-up") as pool:
-        for done in [pool.submit(one_instance) for _ in range(app.backend.instances)]:
-            done.result()
-    return time.perf_counter() - started
+def _signal(process: BaseProcess, signum: int) -> None:
+    if process.is_alive() and process.pid is not None:
+        os.kill(process.pid, signum)
 
 
-async def start(app: App) -> None:
-    """Listen at once (health answers NOT_SERVING), warm up, then serve."""
-    await set_serving(app.health, False)
-    await app.server.start()
-    log.info("listening on port %d; warming up", app.port)
-    app.batcher.start()
-    seconds = await asyncio.to_thread(warm_up, app)
-    app.metrics.warmup_seconds.set(seconds)
-    app.readiness.ready = True
-    app.metrics.ready.set(1)
-    await set_serving(app.health, True)
-    log.info(
-        "serving %s on port %d with %s (warm-up %.2fs)",
-        app.repo.manifest["model_id"],
-        app.port,
-        app.backend.provider,
-        seconds,
-    )
+def _join(process: BaseProcess, deadline: float) -> int:
+    process.join(max(0.0, deadline - time.monotonic()))
+    if process.is_alive():
+        log.error("%s did not stop in time: killed", process.name)
+        process.kill()
+        process.join()
+    return process.exitcode or 0
 
 
-async def shutdown(app: App) -> None:
-    """Health NOT_SERVING, refuse new calls, let in-flight calls finish within the drain timeout."""
-    app.readiness.ready = False
-    app.readiness.reason = "the server is shutting down"
-    app.metrics.ready.set(0)
-    await set_serving(app.health, False)
-    # Let clients' health watches move new calls elsewhere before the listener closes: a call that
-    # arrives in the instant the server stops is cancelled by gRPC, and CANCELLED is not retried.
-    await asyncio.sleep(min(SHUTDOWN_NOTICE_S, app.config.drain_timeout_s))
-    await app.server.stop(app.config.drain_timeout_s)
-    await app.batcher.stop()
+def check_security(config: ServerConfig) -> None:
+    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError)."""
+    load_token(config.auth_token, config.auth_token_file)
+    server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+
+
+def serve(config: ServerConfig, backend_factory: BackendFactory = onnx_backend) -> int:
+    """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1)."""
+    check_security(config)
+    with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_port(config.address) as address:
+        metrics_dir = Path(run_dir) / "metrics"
+        metrics_dir.mkdir()
+        # Read by prometheus_client when each child imports it: every process records into files there.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        supervisor = Supervisor(
+            config, backend_factory, Path(run_dir), address, plan_fronts(config, usable_cores())
+        )
+        return _supervise(supervisor, metrics_dir)
+
+
+def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
+    from server.metrics import scrape_registry, serve_metrics  # after PROMETHEUS_MULTIPROC_DIR is set
+
+    stop: list[int] = []
+    wakeup_read, wakeup_write = os.pipe()
+    os.set_blocking(wakeup_write, False)
+    signal.set_wakeup_fd(wakeup_write)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop.append(signum))
+    try:
+        supervisor.start_engine()
+        os.environ.update(FRONT_MALLOC)  # the fronts' environment from here on, not the engine's
+        for index in range(supervisor.fronts_wanted):
+            supervisor.start_front(index)
+        if supervisor.config.metrics_address:
+            registry = scrape_registry(metrics_dir, supervisor.pids)
+            port = serve_metrics(registry, supervisor.config.metrics_address)
+            log.info("metrics on :%d/metrics", port)
+        code = supervisor.watch(wakeup_read, stop)
+        if code == 0:
+            log.info("signal received: draining for up to %.0fs", supervisor.config.drain_timeout_s)
+    except StartupError:
+        supervisor.stop()
+        raise
+    stopped = supervisor.stop()
     log.info("stopped")
-
-
-async def serve(config: ServerConfig) -> None:
-    app = create_app(config)
-    if config.metrics_address:
-        port = serve_metrics(app.metrics, config.metrics_address)
-        log.info("metrics on :%d/metrics", port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await start(app)
-    await stop.wait()
-    log.info("signal received: draining for up to %.0fs", config.drain_timeout_s)
-    await shutdown(app)
+    return code or stopped
 
 
 def configure_process(config: ServerConfig) -> None:
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config)
     # The tokenizer's own thread pool would compete with ONNX Runtime's threads for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

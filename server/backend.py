@@ -7,79 +7,41 @@ cannot load, and then silently runs on the CPU.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from model.checksum import sha256_file
+from model.repository import (
+    CPU_PROVIDER,
+    CUDA_PROVIDER,
+    EMBEDDINGS,
+    INPUT_IDS,
+    LENGTHS,
+    POOLED,
+    ModelRepository,
+    ModelRepositoryError,
+    open_repository,
+    read_manifest,
+)
+from model.runtime import new_session, run_graph
 from server.config import Device
 
+# The repository's reader is re-exported: the server opens the model through this module.
+__all__ = [
+    "ModelRepository",
+    "ModelRepositoryError",
+    "OnnxBackend",
+    "open_repository",
+    "plan_instances",
+    "read_manifest",
+]
+
 log = logging.getLogger(__name__)
-
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-
-
-class ModelRepositoryError(Exception):
-    """The model directory is missing, incomplete or does not match its manifest."""
-
-
-@dataclass(frozen=True)
-class ModelRepository:
-    directory: Path
-    manifest: dict[str, Any]
-
-    @property
-    def max_input_tokens(self) -> int:
-        return int(self.manifest["max_input_tokens"])
-
-    @property
-    def dimensions(self) -> int:
-        return int(self.manifest["dimensions"])
-
-    def graph_for(self, provider: str, precision: str) -> dict[str, Any]:
-        """The graph shipped for this provider: the asked precision, else the first listed for it."""
-        graphs = [g for g in self.manifest["graphs"] if g["provider"] == provider] or [
-            g for g in self.manifest["graphs"] if g["provider"] == CPU
-        ]
-        if precision == "auto":
-            return dict(graphs[0])
-        for g in graphs:
-            if g["precision"] == precision:
-                return dict(g)
-        shipped = ", ".join(sorted({g["precision"] for g in graphs}))
-        raise ModelRepositoryError(
-            f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped}); "
-            "int8 is built by `python -m export --data-dir ...`"
-        )
-
-
-def open_repository(directory: Path) -> ModelRepository:
-    """Read manifest.json and verify every graph's checksum against it."""
-    path = directory / "manifest.json"
-    if not path.is_file():
-        raise ModelRepositoryError(f"{path}: missing; build the model repository with `make model`")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    for graph in manifest["graphs"]:
-        file = directory / graph["file"]
-        if not file.is_file():
-            raise ModelRepositoryError(f"{file}: missing")
-        _verify_checksum(file, graph["sha256"])
-    return ModelRepository(directory, manifest)
-
-
-def _verify_checksum(path: Path, expected: str) -> None:
-    actual = sha256_file(path)
-    if actual != expected:
-        raise ModelRepositoryError(f"{path}: sha256 {actual} does not match manifest {expected}")
 
 
 def gpu_present() -> bool:
@@ -89,10 +51,10 @@ def gpu_present() -> bool:
 
 def wanted_providers(device: Device) -> list[str]:
     if device == "cpu":
-        return [CPU]
-    if device == "cuda" or (CUDA in ort.get_available_providers() and gpu_present()):
-        return [CUDA, CPU]
-    return [CPU]
+        return [CPU_PROVIDER]
+    if device == "cuda" or (CUDA_PROVIDER in ort.get_available_providers() and gpu_present()):
+        return [CUDA_PROVIDER, CPU_PROVIDER]
+    return [CPU_PROVIDER]
 
 
 def usable_cores() -> int:
@@ -112,20 +74,9 @@ def plan_instances(provider: str, instances: int, threads: int, cores: int) -> t
         raise ValueError(f"instances and threads must be 0 (auto) or more, not {instances} and {threads}")
     if instances == 0:
         fit = cores if threads == 0 else max(1, cores // threads)
-        instances = 1 if provider == CUDA else min(2, fit)
+        instances = 1 if provider == CUDA_PROVIDER else min(2, fit)
     threads = threads or max(1, cores // instances)
     return instances, threads
-
-
-def _session_options(threads: int) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Idle ORT threads spin by default, taking the cores the event loop and tokenizer need.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
 
 
 class OnnxBackend:
@@ -149,32 +100,29 @@ class OnnxBackend:
         graph = repo.graph_for(providers[0], precision)
         self.instances, self.threads = plan_instances(providers[0], instances, threads, usable_cores())
 
-        def new_session() -> ort.InferenceSession:
-            return ort.InferenceSession(
-                str(repo.directory / graph["file"]),
-                _session_options(self.threads),
-                providers=providers,
-                disabled_optimizers=list(graph.get("disabled_optimizers", [])),
+        def session() -> ort.InferenceSession:
+            return new_session(
+                repo.path(graph), providers, self.threads, graph.disabled_optimizers, serving=True
             )
 
-        first = new_session()
+        first = session()
         self.sessions = (first,) * self.instances
         if self.threads > 1:
-            self.sessions = (first, *(new_session() for _ in range(self.instances - 1)))
+            self.sessions = (first, *(session() for _ in range(self.instances - 1)))
         self._free: queue.SimpleQueue[ort.InferenceSession] = queue.SimpleQueue()
         for session in self.sessions:
             self._free.put(session)
         self.provider = first.get_providers()[0]
-        if device == "cuda" and self.provider != CUDA:
+        if device == "cuda" and self.provider != CUDA_PROVIDER:
             raise ModelRepositoryError("--device cuda: the CUDA execution provider could not be loaded")
-        if providers[0] == CUDA and self.provider != CUDA:
+        if providers[0] == CUDA_PROVIDER and self.provider != CUDA_PROVIDER:
             log.warning("a GPU is present but CUDA could not be loaded: falling back to %s", self.provider)
-        self.precision = str(graph.get("precision", "fp32"))
+        self.precision: str = graph.precision
         self.load_seconds = time.perf_counter() - started
         log.info(
             "model on %s (%s, %s): %d instance(s) x %d thread(s), loaded in %.2fs",
             self.provider,
-            graph["file"],
+            graph.file,
             self.precision,
             self.instances,
             self.threads,
@@ -185,10 +133,9 @@ class OnnxBackend:
         assert ids.dtype == np.int64 and lengths.dtype == np.int64 and ids.shape[0] == lengths.shape[0]
         session = self._free.get()  # never waits when at most `instances` threads call
         try:
-            if self.provider == CUDA:
+            if self.provider == CUDA_PROVIDER:
                 return _run_bound(session, ids, lengths)
-            normalised, pooled = session.run(None, {"input_ids": ids, "lengths": lengths})
-            return np.asarray(normalised), np.asarray(pooled)
+            return run_graph(session, ids, lengths)
         finally:
             self._free.put(session)
 
@@ -198,10 +145,10 @@ def _run_bound(
 ) -> tuple[np.ndarray, np.ndarray]:
     """I/O binding: inputs copied to the GPU once, outputs left there and fetched together."""
     binding = session.io_binding()
-    binding.bind_cpu_input("input_ids", ids)
-    binding.bind_cpu_input("lengths", lengths)
-    binding.bind_output("embeddings", "cuda")
-    binding.bind_output("pooled", "cuda")
+    binding.bind_cpu_input(INPUT_IDS, ids)
+    binding.bind_cpu_input(LENGTHS, lengths)
+    binding.bind_output(EMBEDDINGS, "cuda")
+    binding.bind_output(POOLED, "cuda")
     session.run_with_iobinding(binding)
     normalised, pooled = binding.copy_outputs_to_cpu()
     return np.asarray(normalised), np.asarray(pooled)

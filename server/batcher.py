@@ -9,6 +9,9 @@ in every per-token layer, so padding costs only attention's share). Inputs whose
 cancelled, or whose deadline passed, are dropped before compute. A full queue refuses new work at
 once, so memory stays bounded under any load.
 
+A request's inputs arrive as two arrays (lengths, and every token id one after another) and leave
+as one (n, D) array per output, filled in place as its batches finish: no per-input futures.
+
 Up to `workers` batches run at once, one per model instance: while one instance computes, another
 takes the next batch. On the CPU provider two one-thread instances outran one two-thread instance on
 the same two cores (no barrier between threads inside an op; see README, "Settings").
@@ -28,7 +31,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from model.tokenizer import pad_batch
 from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from server.metrics import Metrics
 
@@ -47,26 +49,98 @@ class BatchLimits:
     window: int = 256  # how far into the queue a batch may look for inputs of similar length
 
 
+def check_capacity(waiting: int, count: int, queue_limit: int) -> None:
+    """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival)."""
+    if count > queue_limit:
+        raise InvalidInput(f"{count} inputs can never fit the queue_limit of {queue_limit}")
+    if waiting + count > queue_limit:
+        raise Overloaded(
+            f"queue full: {waiting} inputs waiting, queue_limit is {queue_limit}; retry with backoff"
+        )
+
+
 @dataclass(frozen=True)
-class Result:
-    embedding: np.ndarray  # (D,) L2-normalised
-    pooled: np.ndarray  # (D,) before normalisation
-    queue_s: float
-    run_started: float  # time.monotonic() when its batch started
-    run_s: float
-    batch_id: int
+class Rows:
+    """A request's inputs: (n,) lengths and their token ids one after another, both int32."""
+
+    lengths: np.ndarray
+    ids: np.ndarray
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[int]]) -> Rows:
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
+        return cls(lengths, ids)
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+
+@dataclass(frozen=True)
+class Done:
+    """A request's answer: row i of each array is input i's vector."""
+
+    embeddings: np.ndarray  # (n, D) L2-normalised
+    pooled: np.ndarray  # (n, D) before normalisation
+    queue_s: float  # the longest any of its inputs waited
+    inference_s: float  # time during which at least one of its batches ran (instances overlap)
+
+    def __len__(self) -> int:
+        return len(self.embeddings)
 
 
 @dataclass(eq=False)
-class Pending:
-    ids: Sequence[int]
-    future: asyncio.Future[Result]
+class Request:
+    rows: Rows
+    future: asyncio.Future[Done]
     enqueued: float
-    deadline: float | None = None  # time.monotonic() value
+    deadline: float | None  # time.monotonic() value
+    offsets: np.ndarray = field(init=False)
+    remaining: int = field(init=False)
+    embeddings: np.ndarray | None = None
+    pooled: np.ndarray | None = None
+    queue_s: float = 0.0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.offsets = np.concatenate(([0], np.cumsum(self.rows.lengths[:-1]))).astype(np.int64)
+        self.remaining = len(self.rows)
 
     @property
     def abandoned(self) -> bool:
         return self.future.done()
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+    def fill(self, index: int, embedding: np.ndarray, pooled: np.ndarray, started: float) -> bool:
+        """Store input `index`'s vectors; True when that completed the request."""
+        if self.embeddings is None or self.pooled is None:
+            self.embeddings = np.empty((len(self.rows), embedding.size), dtype=np.float32)
+            self.pooled = np.empty_like(self.embeddings)
+        self.embeddings[index] = embedding
+        self.pooled[index] = pooled
+        self.queue_s = max(self.queue_s, started - self.enqueued)
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            assert self.pooled is not None
+            self.future.set_result(Done(self.embeddings, self.pooled, self.queue_s, running_time(self.spans)))
+            return True
+        return False
+
+
+# One queued input: its request and its index there (a tuple: the queue holds many of these).
+Entry = tuple[Request, int]
+
+
+def running_time(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of these (start, end) spans ran (instances overlap)."""
+    total, covered_to = 0.0, -math.inf
+    for start, end in sorted(set(spans)):
+        total += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    return total
 
 
 def choose_batch(
@@ -109,6 +183,16 @@ def choose_batch(
     return sorted(order[lo : hi + 1])
 
 
+def pad(batch: list[Entry], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The batch as ((B, T) int64 ids padded to the longest row, (B,) int64 lengths)."""
+    lengths = np.fromiter((r.rows.lengths[i] for r, i in batch), dtype=np.int64, count=len(batch))
+    ids = np.full((len(batch), int(lengths.max())), pad_id, dtype=np.int64)
+    for row, ((request, i), length) in enumerate(zip(batch, lengths, strict=True)):
+        start = request.offsets[i]
+        ids[row, :length] = request.rows.ids[start : start + length]
+    return ids, lengths
+
+
 @dataclass
 class Batcher:
     run: RunFn
@@ -116,11 +200,12 @@ class Batcher:
     metrics: Metrics
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
-    _queue: deque[Pending] = field(default_factory=deque)
+    on_depth: Callable[[int], None] = lambda depth: None  # told the queue depth whenever it changes
+    _queue: deque[Entry] = field(default_factory=deque)
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
-    _batch_ids: itertools.count[int] = field(default_factory=itertools.count)
+    _running: int = 0  # batches in compute now
 
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
@@ -141,30 +226,37 @@ class Batcher:
         return len(self._queue)
 
     def check_capacity(self, count: int) -> None:
-        """Refuse at once (before any tokenizing) when `count` more inputs cannot be queued."""
-        if count > self.limits.queue_limit:
-            raise InvalidInput(f"{count} inputs can never fit the queue_limit of {self.limits.queue_limit}")
-        if len(self._queue) + count > self.limits.queue_limit:
-            self.metrics.refused.inc()
-            raise Overloaded(
-                f"queue full: {len(self._queue)} inputs waiting, queue_limit is {self.limits.queue_limit}; "
-                "retry with backoff"
-            )
-
-    async def submit(self, rows: Sequence[Sequence[int]], deadline: float | None = None) -> list[Result]:
-        """Queue one request's rows; results come back in the rows' order."""
-        self.check_capacity(len(rows))
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        pending = [Pending(row, loop.create_future(), now, deadline) for row in rows]
-        self._queue.extend(pending)
-        self.metrics.queue_depth.set(len(self._queue))
-        self._wakeup.set()
+        """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
         try:
-            return list(await asyncio.gather(*(p.future for p in pending)))
+            check_capacity(len(self._queue), count, self.limits.queue_limit)
+        except Overloaded:
+            self.metrics.refused.inc()
+            raise
+
+    def enqueue(self, rows: Rows, deadline: float | None = None) -> Request:
+        """Queue one request's inputs; its future resolves when every input has its vectors.
+
+        Cancelling the future (the caller went away) drops the inputs not yet computed.
+        """
+        assert len(rows) > 0
+        self.check_capacity(len(rows))
+        request = Request(rows, asyncio.get_running_loop().create_future(), time.monotonic(), deadline)
+        self._queue.extend((request, i) for i in range(len(rows)))
+        self._depth_changed()
+        self._wakeup.set()
+        return request
+
+    async def submit(self, rows: Rows, deadline: float | None = None) -> Done:
+        """Queue one request and wait for its answer; on cancellation its inputs are dropped."""
+        request = self.enqueue(rows, deadline)
+        try:
+            return await request.future
         finally:
-            for p in pending:  # on failure or cancellation, the rest is dropped before compute
-                p.future.cancel()
+            request.future.cancel()
+
+    def _depth_changed(self) -> None:
+        self.metrics.queue_depth.set(len(self._queue))
+        self.on_depth(len(self._queue))
 
     async def _loop(self) -> None:
         """One worker: take the next batch whenever its previous one is done."""
@@ -175,17 +267,20 @@ class Batcher:
                 await self._run_batch(batch)
             except Exception:  # a bug here must fail one batch, never stop the server
                 log.exception("batcher error; failing the %d inputs of this batch", len(batch))
-                for p in batch:
-                    if not p.abandoned:
-                        p.future.set_exception(BackendFailure("internal batching error"))
+                for request, _ in batch:
+                    request.fail(BackendFailure("internal batching error"))
 
     async def _wait_for_batch(self) -> None:
-        """Until work is queued, then until a batch is full or the oldest input waited long enough."""
+        """Until work is queued, then until a batch is full or the oldest input waited long enough.
+
+        A lone input that finds every instance idle runs at once: waiting for company only pays
+        while another batch is computing (its inputs arrive meanwhile).
+        """
         while not self._queue:
             self._wakeup.clear()
             await self._wakeup.wait()
-        flush_at = self._queue[0].enqueued + self.limits.max_queue_delay_s
-        while len(self._queue) < self.limits.max_batch_size:
+        flush_at = self._queue[0][0].enqueued + self.limits.max_queue_delay_s
+        while len(self._queue) < self.limits.max_batch_size and self._running:
             remaining = flush_at - time.monotonic()
             if remaining <= 0:
                 return
@@ -195,73 +290,72 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _drop_abandoned(self) -> None:
-        now = time.monotonic()
-        kept: deque[Pending] = deque()
-        for p in self._queue:
-            expired = p.deadline is not None and now >= p.deadline
-            if p.abandoned:
-                # gRPC cancels the call when its deadline passes, usually before this check sees it.
-                self.metrics.dropped.labels("deadline" if expired else "cancelled").inc()
-            elif expired:
-                self.metrics.dropped.labels("deadline").inc()
-                p.future.set_exception(Dropped("deadline exceeded while queued; the input was not computed"))
-            else:
-                kept.append(p)
-        self._queue = kept
+    def _live(self, entry: Entry, now: float) -> bool:
+        """False for an input to drop before compute: its caller went away or its deadline passed."""
+        request = entry[0]
+        expired = request.deadline is not None and now >= request.deadline
+        if request.abandoned:
+            # gRPC cancels the call when its deadline passes, usually before this check sees it.
+            self.metrics.dropped.labels("deadline" if expired else "cancelled").inc()
+            return False
+        if expired:
+            self.metrics.dropped.labels("deadline").inc()
+            request.fail(Dropped("deadline exceeded while queued; the input was not computed"))
+            return False
+        return True
 
-    def _take_batch(self) -> list[Pending]:
-        self._drop_abandoned()
-        window = list(itertools.islice(self._queue, self.limits.window))
+    def _take_batch(self) -> list[Entry]:
+        """The next batch from the window at the head of the queue (dropping what is abandoned there)."""
+        now = time.monotonic()
+        head = [self._queue.popleft() for _ in range(min(self.limits.window, len(self._queue)))]
+        window = [e for e in head if self._live(e, now)]
         if not window:
-            self.metrics.queue_depth.set(0)
+            self._depth_changed()
             return []
-        lengths = [len(p.ids) for p in window]
+        lengths = [int(r.rows.lengths[i]) for r, i in window]
         chosen = choose_batch(
             lengths, self.limits.max_batch_tokens, self.limits.max_batch_size, self.limits.max_padding
         )
         taken = set(chosen)
-        batch = [window[i] for i in chosen]
-        rest = (p for i, p in enumerate(self._queue) if i not in taken)
-        self._queue = deque(rest)
-        self.metrics.queue_depth.set(len(self._queue))
-        return batch
+        self._queue.extendleft(reversed([e for i, e in enumerate(window) if i not in taken]))
+        self._depth_changed()
+        return [window[i] for i in chosen]
 
-    async def _run_batch(self, batch: list[Pending]) -> None:
+    async def _run_batch(self, batch: list[Entry]) -> None:
         if not batch:
             return
-        ids, lengths = pad_batch([list(p.ids) for p in batch], self.pad_id)
-        batch_id = next(self._batch_ids)
+        ids, lengths = pad(batch, self.pad_id)
         started = time.monotonic()
+        self._running += 1
         try:
             normalised, pooled = await self._in_worker(ids, lengths)
         except Exception:
-            log.exception("batch %d (%d inputs) failed; retrying its inputs one by one", batch_id, len(batch))
+            log.exception("a batch of %d inputs failed; retrying its inputs one by one", len(batch))
             self.metrics.batch_failures.inc()
-            await self._run_singly(batch, batch_id)
+            await self._run_singly(batch)
             return
+        finally:
+            self._running -= 1
         run_s = time.monotonic() - started
         self._observe(batch, ids.size, int(lengths.sum()), started, run_s)
-        for i, p in enumerate(batch):
-            self._resolve(p, normalised[i], pooled[i], started, run_s, batch_id)
+        self._resolve(batch, normalised, pooled, started, run_s)
 
-    async def _run_singly(self, batch: list[Pending], batch_id: int) -> None:
+    async def _run_singly(self, batch: list[Entry]) -> None:
         """After a batch failed: each input alone, so only the inputs that fail by themselves fail."""
-        for p in batch:
-            if p.abandoned:
+        for entry in batch:
+            request = entry[0]
+            if request.abandoned:
                 continue
+            ids, lengths = pad([entry], self.pad_id)
             started = time.monotonic()
             try:
-                normalised, pooled = await self._in_worker(*pad_batch([list(p.ids)], self.pad_id))
-            except Exception as e:
-                if not p.abandoned:  # its caller may have gone while this input ran
-                    p.future.set_exception(
-                        BackendFailure(f"model run failed for this input: {type(e).__name__}")
-                    )
+                normalised, pooled = await self._in_worker(ids, lengths)
+            except Exception as e:  # its caller may have gone while this input ran: fail() checks
+                request.fail(BackendFailure(f"model run failed for this input: {type(e).__name__}"))
                 continue
             run_s = time.monotonic() - started
-            self._observe([p], len(p.ids), len(p.ids), started, run_s)
-            self._resolve(p, normalised[0], pooled[0], started, run_s, batch_id)
+            self._observe([entry], ids.size, ids.size, started, run_s)
+            self._resolve([entry], normalised, pooled, started, run_s)
 
     async def _in_worker(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self._executor is not None, "batcher not started"
@@ -269,16 +363,21 @@ class Batcher:
         return await loop.run_in_executor(self._executor, self.run, ids, lengths)
 
     def _resolve(
-        self, p: Pending, vector: np.ndarray, pooled: np.ndarray, started: float, run_s: float, batch_id: int
+        self, batch: list[Entry], normalised: np.ndarray, pooled: np.ndarray, started: float, run_s: float
     ) -> None:
-        if p.abandoned:
-            return
-        if not np.isfinite(vector).all():
-            p.future.set_exception(BackendFailure("the model produced a non-finite vector for this input"))
-            return
-        p.future.set_result(Result(vector, pooled, started - p.enqueued, started, run_s, batch_id))
+        finite = np.isfinite(normalised).all(axis=1)
+        span = (started, started + run_s)
+        for row, (request, i) in enumerate(batch):
+            if request.abandoned:
+                continue
+            if not finite[row]:
+                request.fail(BackendFailure("the model produced a non-finite vector for this input"))
+                continue
+            request.spans.append(span)
+            if request.fill(i, normalised[row], pooled[row], started):
+                self.metrics.queue_wait.observe(request.queue_s)
 
-    def _observe(self, batch: list[Pending], padded: int, real: int, started: float, run_s: float) -> None:
+    def _observe(self, batch: list[Entry], padded: int, real: int, started: float, run_s: float) -> None:
         m = self.metrics
         m.batch_size.observe(len(batch))
         m.batch_padded_tokens.observe(padded)
@@ -286,5 +385,3 @@ class Batcher:
         m.tokens.inc(real)
         m.inputs.inc(len(batch))
         m.model_run_duration.observe(run_s)
-        for p in batch:
-            m.queue_wait.observe(started - p.enqueued)

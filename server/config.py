@@ -41,6 +41,9 @@ class ServerConfig:
     max_queue_delay_ms: float = 2.0
     max_inputs_per_request: int = 256
     max_text_chars: int = 100_000
+    # Characters being tokenized at once in one front process (a text longer than 4,096 characters
+    # counts 4,096: only its prefix is read, see model/tokenizer.py): bounds the tokenizer's memory.
+    max_tokenizing_chars: int = 2 * 256 * 4096
     # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
     queue_limit: int = 4096
     max_message_bytes: int = 8 * 1024 * 1024
@@ -49,6 +52,8 @@ class ServerConfig:
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).
     model_instances: int = 0
     threads: int = 0
+    # gRPC front processes sharing the port over one engine; 0: auto (server/app.py, plan_fronts).
+    front_processes: int = 0
     drain_timeout_s: float = 20.0
     max_connection_age_s: float = 300.0
     metrics_address: str = "0.0.0.0:9464"
@@ -59,8 +64,6 @@ class ServerConfig:
     # Never printed: repr=False keeps it out of any log of the config.
     auth_token: str = dataclasses.field(default="", repr=False)
     auth_token_file: str = ""
-    # Test-only: makes the batch holding this exact text fail inside the backend.
-    fault_text: str = ""
 
     def __post_init__(self) -> None:
         positive = (
@@ -72,10 +75,13 @@ class ServerConfig:
             "max_concurrent_streams",
             "max_message_bytes",
             "max_text_chars",
+            "max_tokenizing_chars",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.front_processes < 0:
+            raise ValueError(f"front_processes must be 0 (auto) or more, not {self.front_processes}")
         if self.model_instances < 0 or self.threads < 0:
             raise ValueError(
                 f"model_instances and threads must be 0 (auto) or more, not {self.model_instances} "
@@ -102,6 +108,10 @@ _HELP = {
     "max_queue_delay_ms": "longest wait for a batch to fill before it runs",
     "max_inputs_per_request": "inputs in one Embed/Tokenize request",
     "max_text_chars": "characters in one text, checked before tokenization",
+    "max_tokenizing_chars": (
+        "characters being tokenized at once per front process (a text counts at most 4096); "
+        "beyond it requests get RESOURCE_EXHAUSTED"
+    ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
     "max_message_bytes": "largest gRPC message received or sent",
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
@@ -110,6 +120,10 @@ _HELP = {
         "batches computed at once (0: as many as fit the cores at --threads, at most 2; 1 on CUDA)"
     ),
     "threads": "ONNX Runtime intra-op threads per instance (0: usable cores / instances)",
+    "front_processes": (
+        "gRPC front processes (validate, tokenize, respond) sharing the port over one engine "
+        "(0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
+    ),
     "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
@@ -119,7 +133,6 @@ _HELP = {
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
     "auth_token": "require `authorization: Bearer <token>` on embedding calls (health stays open)",
     "auth_token_file": "file holding the bearer token (preferred over the env var)",
-    "fault_text": "test only: a batch holding this exact text fails in the backend",
 }
 
 

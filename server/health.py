@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
-from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import SERVICE_NAME
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+__all__ = ["SERVICE_NAME", "new_health", "set_serving"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -1,6 +1,10 @@
 """Every Prometheus metric the server exports, declared in one place.
 
-The registry is injectable so tests get a fresh one. Names follow Prometheus practice: one prefix
+The server is several processes (fronts and an engine); each records into prometheus_client's
+multiprocess files, and the supervisor serves one /metrics summing them (`scrape_registry`): counters
+and histograms add up, each gauge says how it combines (`multiprocess_mode`). Outside a server (tests,
+benchmarks) the same classes record in memory. The registry is injectable so tests get a fresh one.
+Names follow Prometheus practice: one prefix
 (`embed_`), base units (`_seconds`), `_total` on counters, `_info` for the model, no unbounded labels.
 The padding ratio is a PromQL expression over two counters:
     1 - rate(embed_tokens_total[5m]) / rate(embed_batch_tokens_total[5m])
@@ -8,13 +12,30 @@ The padding ratio is a PromQL expression over two counters:
 
 from __future__ import annotations
 
-import prometheus_client as prom
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
-# Sub-millisecond to seconds: a short text's model run is ~1 ms on a GPU, a queued burst seconds.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+import prometheus_client as prom
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+# Sub-millisecond to a minute: a short text's model run is ~1 ms on a GPU; a queued burst of bulk
+# requests on a small CPU takes 10-20 s (README's p99 at 256 callers of 32 inputs is 18 s), and a
+# quantile past the last finite bucket would read as that bucket's bound.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0
+)  # fmt: skip
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Inputs per request, as the `size` label of request latency: a 64-input call is not slow for being
+# slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
+SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))
+LARGEST_CLASS = "65+"
+
+
+def size_class(inputs: int) -> str:
+    return next((name for most, name in SIZE_CLASSES if inputs <= most), LARGEST_CLASS)
 
 
 class Metrics:
@@ -24,6 +45,7 @@ class Metrics:
         prom.ProcessCollector(registry=r)
         prom.PlatformCollector(registry=r)
         prom.GCCollector(registry=r)
+        # Gauges combine over processes as their multiprocess_mode says (ignored in one process).
         self.requests = Counter(
             "embed_requests", "RPCs finished, by method and gRPC status code.", ["method", "code"], registry=r
         )
@@ -36,14 +58,14 @@ class Metrics:
         )
         self.request_duration = Histogram(
             "embed_request_duration_seconds",
-            "Time from receiving an RPC to its response.",
-            ["method"],
+            "Time from receiving an RPC to its response, by method and inputs per request.",
+            ["method", "size"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_wait = Histogram(
             "embed_queue_wait_seconds",
-            "Time an input waited for its batch.",
+            "Time a request's inputs waited for their batches (the longest wait among them).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -68,8 +90,12 @@ class Metrics:
             buckets=BATCH_TOKEN_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("embed_queue_depth", "Inputs waiting for a batch.", registry=r)
-        self.in_flight = Gauge("embed_requests_in_flight", "RPCs being served.", registry=r)
+        self.queue_depth = Gauge(
+            "embed_queue_depth", "Inputs waiting for a batch.", registry=r, multiprocess_mode="livesum"
+        )
+        self.in_flight = Gauge(
+            "embed_requests_in_flight", "RPCs being served.", registry=r, multiprocess_mode="livesum"
+        )
         self.refused = Counter(
             "embed_requests_refused", "Requests refused at once because the queue was full.", registry=r
         )
@@ -81,18 +107,67 @@ class Metrics:
         )
         self.truncated = Counter("embed_inputs_truncated", "Inputs cut at the maximum length.", registry=r)
         self.batch_failures = Counter("embed_batch_failures", "Batches whose model run failed.", registry=r)
-        self.model = Info(
-            "embed_model", "The model served and the execution provider really in use.", registry=r
+        # An info metric (value 1, facts in labels) as a gauge: Info has no multiprocess mode.
+        self.model = Gauge(
+            "embed_model_info",
+            "The model served and the execution provider really in use.",
+            ["model_id", "sha256", "precision", "provider"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
-        self.load_seconds = Gauge("embed_model_load_seconds", "Time to load the model session.", registry=r)
-        self.warmup_seconds = Gauge("embed_model_warmup_seconds", "Time the warm-up took.", registry=r)
-        self.ready = Gauge("embed_ready", "1 once warm and serving, 0 while warming or draining.", registry=r)
+        self.load_seconds = Gauge(
+            "embed_model_load_seconds",
+            "Time to load the model session.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.warmup_seconds = Gauge(
+            "embed_model_warmup_seconds", "Time the warm-up took.", registry=r, multiprocess_mode="livemax"
+        )
+        self.ready = Gauge(
+            "embed_ready",
+            "1 once warm and serving, 0 while warming or draining (the least over front processes).",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         for reason in ("deadline", "cancelled"):
             self.dropped.labels(reason)
 
 
-def serve_metrics(metrics: Metrics, address: str) -> int:
+class ProcessTreeCollector(Collector):
+    """process_* metrics (CPU seconds, resident memory, open fds) summed over the server's processes."""
+
+    def __init__(self, pids: Callable[[], Iterable[int]]) -> None:
+        self.pids = pids
+
+    def collect(self) -> Iterable[Metric]:
+        totals: dict[str, Metric] = {}
+        for pid in self.pids():
+            for family in prom.ProcessCollector(pid=_constant(pid), registry=None).collect():
+                kept = totals.setdefault(family.name, family)
+                if kept is family or family.name in ("process_start_time_seconds", "process_max_fds"):
+                    continue  # for these, the first process's (the supervisor's) value stands
+                pairs = zip(kept.samples, family.samples, strict=False)
+                kept.samples = [a._replace(value=a.value + b.value) for a, b in pairs]
+        return list(totals.values())
+
+
+def _constant(pid: int) -> Callable[[], int]:
+    return lambda: pid
+
+
+def scrape_registry(directory: Path, pids: Callable[[], Iterable[int]]) -> CollectorRegistry:
+    """What /metrics shows: every process's metric files summed, and the process tree's resources."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(directory))
+    registry.register(ProcessTreeCollector(pids))
+    prom.PlatformCollector(registry=registry)
+    prom.GCCollector(registry=registry)
+    return registry
+
+
+def serve_metrics(registry: CollectorRegistry, address: str) -> int:
     """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
     host, _, port = address.rpartition(":")
-    server, _thread = prom.start_http_server(int(port), addr=host or "0.0.0.0", registry=metrics.registry)
+    server, _thread = prom.start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
     return int(server.server_port)

@@ -13,9 +13,10 @@ from typing import Any
 
 import grpc
 
+from proto.embedding.v1 import SERVICE_NAME
 from server.metrics import Metrics
 
-PROTECTED_PREFIX = "/embedding.v1.EmbeddingService/"
+PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
 
 
 class SecurityConfigError(Exception):

@@ -1,4 +1,4 @@
-"""The gRPC servicer, kept thin: protobuf -> validated rows -> batcher -> protobuf.
+"""The gRPC servicer, kept thin: protobuf -> validated token arrays -> engine -> protobuf.
 
 Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
 a message that names the limit and the value.
@@ -8,26 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
+from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.batcher import Batcher, Result
-from server.errors import InvalidInput, NotReady, ServiceError
-from server.metrics import Metrics
-from server.tokenization import Prepared, RequestTokenizer, Usage
+from server.errors import InvalidInput, Overloaded, ServiceError
+from server.metrics import Metrics, size_class
+from server.readiness import Readiness
+from server.tokenization import Prepared, RequestTokenizer, TokenizingBudget, tokenizing_cost
+from server.transport import Answer, EngineClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Below this many characters a request tokenizes in well under 100 us (~44k sentences/s on one
-# thread): less than handing it to a worker thread and back costs.
+# A single input of up to this many characters tokenizes in well under 100 us: less than handing it
+# to a worker thread and back costs. Anything more runs on the
+# tokenizer's threads (the Rust batch encode releases the GIL), never on the event loop.
 INLINE_TOKENIZE_CHARS = 2048
 
 
@@ -55,30 +57,27 @@ def _check_decoded(request: object) -> None:
         raise InvalidInput(request.reason)
 
 
-class Readiness:
-    """Set once the model is warm; cleared when draining."""
-
-    def __init__(self) -> None:
-        self.ready = False
-        self.reason = "the model is warming up"
-
-
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     def __init__(
         self,
         tokenizer: RequestTokenizer,
-        batcher: Batcher,
+        engine: EngineClient,
         info: pb.InfoResponse,
         metrics: Metrics,
         readiness: Readiness,
         max_stream_in_flight: int,
+        budget: TokenizingBudget,
+        tokenizer_threads: int = 1,
     ) -> None:
+        self.budget = budget
+        self.text_chars_seen = 0  # characters of text received, for reclaim_memory()
         self.tokenizer = tokenizer
-        self.batcher = batcher
+        self.engine = engine
         self.info = info
         self.metrics = metrics
         self.readiness = readiness
         self.max_stream_in_flight = max_stream_in_flight
+        self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         return await self._serve("Embed", request, context, lambda: self._embed(request, _deadline(context)))
@@ -116,73 +115,97 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         context: grpc.aio.ServicerContext,
         handler: Callable[[], Awaitable[T]],
     ) -> T:
-        """Run one unary call: the single place where errors become gRPC statuses."""
+        """Run one unary call: the single place where errors become gRPC statuses.
+
+        The call is aborted outside the `except` blocks, so the AbortError does not carry the
+        handled exception (and through its traceback the request, up to max_message_bytes) along
+        as its context. Refused requests still end in reference cycles inside grpc.aio: see
+        front.reclaim_memory.
+        """
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        code = grpc.StatusCode.OK
+        code, details = grpc.StatusCode.OK, ""
         try:
             _check_decoded(request)
             return await handler()
         except ServiceError as e:
-            code = e.code
-            await context.abort(e.code, str(e))
-            raise  # unreachable: abort raises
+            code, details = e.code, str(e)
         except asyncio.CancelledError:
             code = _cancelled_code(context)
             raise
         except Exception:
             log.exception("%s failed", method)
-            code = grpc.StatusCode.INTERNAL
-            await context.abort(code, "internal error; see the server log")
-            raise
+            code, details = grpc.StatusCode.INTERNAL, "internal error; see the server log"
         finally:
-            self._record(method, code, started)
+            self._record(method, code, started, _inputs(request))
+        await context.abort(code, details)
+        raise AssertionError("unreachable: abort raises")
 
-    def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
+    def _record(self, method: str, code: grpc.StatusCode, started: float, inputs: int = 0) -> None:
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(method, code.name).inc()
-        self.metrics.request_duration.labels(method).observe(time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        self.metrics.request_duration.labels(method, size_class(inputs)).observe(duration)
 
     async def _prepare(self, request: pb.EmbedRequest) -> Prepared:
         truncate = request.truncate if request.HasField("truncate") else True
         if request.texts and request.token_ids:
             raise InvalidInput("set either `texts` or `token_ids`, not both")
         if request.token_ids:
-            return self.tokenizer.from_ids([list(t.ids) for t in request.token_ids], truncate)
+            return self.tokenizer.from_ids([t.ids for t in request.token_ids], truncate)
         started = time.perf_counter()
+        # One list: each read of a protobuf string field decodes its UTF-8 again (8 MB per request).
         prepared = await self._tokenize_texts(list(request.texts), truncate)
         self.metrics.tokenize_duration.observe(time.perf_counter() - started)
         return prepared
 
-    async def _tokenize_texts(self, texts: list[str], truncate: bool) -> Prepared:
-        """Short requests inline (faster than a thread hop); long ones off the event loop."""
-        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.from_texts(texts, truncate)
-        # Tokenizing a 100 kB text takes milliseconds: off the event loop, which serves everyone.
-        return await asyncio.to_thread(self.tokenizer.from_texts, texts, truncate)
+    async def _tokenize_texts(self, texts: list[str], truncate: bool, whole: bool = False) -> Prepared:
+        """One short text inline (faster than a thread hop); anything more off the event loop.
+
+        Within the front's budget of characters being tokenized at once, refused beyond it.
+        """
+        self.tokenizer.check_texts(texts)
+        self.text_chars_seen += sum(map(len, texts))
+        cost = tokenizing_cost(texts, whole)
+        try:
+            self.budget.reserve(cost)
+        except Overloaded:
+            self.metrics.refused.inc()
+            raise
+        try:
+            if len(texts) == 1 and len(texts[0]) <= INLINE_TOKENIZE_CHARS and not whole:
+                return self.tokenizer.from_texts(texts, truncate)
+            loop = asyncio.get_running_loop()
+            work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
+            return await loop.run_in_executor(self._tokenizing, work, texts, truncate)
+        finally:
+            self.budget.release(cost)
 
     async def _embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
         started = time.perf_counter()
-        if not self.readiness.ready:
-            raise NotReady(f"not serving: {self.readiness.reason}; retry")
+        self.readiness.check()
         count = len(request.texts) or len(request.token_ids)
         self.tokenizer.check_count(count)
-        self.batcher.check_capacity(count)  # refuse overload before paying for tokenization
+        self.engine.check_capacity(count)  # refuse overload before paying for tokenization
         prepared = await self._prepare(request)
-        self.metrics.truncated.inc(sum(u.truncated for u in prepared.usage))
-        results = await self.batcher.submit(prepared.rows, deadline)
+        if cut := int(prepared.truncated.sum()):
+            self.metrics.truncated.inc(cut)
         normalize = request.normalize if request.HasField("normalize") else True
-        return _response(results, prepared.usage, normalize, request.format, started)
+        answer = await self.engine.embed(prepared.lengths, prepared.ids, deadline, normalize)
+        return _response(answer, prepared, request.format, started)
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         truncate = request.truncate if request.HasField("truncate") else True
-        prepared = await self._tokenize_texts(list(request.texts), True)
+        prepared = await self._tokenize_texts(list(request.texts), True, whole=not truncate)
         tokens = []
-        for text, row, u in zip(request.texts, prepared.rows, prepared.usage, strict=True):
-            if u.truncated and not truncate:
-                row = await asyncio.to_thread(self.tokenizer.tokenizer.encode_full, text)
-                u = Usage(len(row), False, len(row))
-            tokens.append(pb.Tokens(ids=row, usage=_usage(u)))
+        for i in range(len(prepared)):
+            usage = pb.InputUsage(
+                tokens=int(prepared.lengths[i]),
+                truncated=bool(prepared.truncated[i]),
+                original_tokens=int(prepared.original[i]),
+                original_tokens_lower_bound=bool(prepared.lower_bound[i]),
+            )
+            tokens.append(pb.Tokens(ids=prepared.row(i).tolist(), usage=usage))
         return pb.TokenizeResponse(tokens=tokens)
 
     async def _stream(
@@ -249,9 +272,14 @@ def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
             service.Info, lenient(pb.InfoRequest), pb.InfoResponse.SerializeToString
         ),
     }
-    name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _inputs(request: object) -> int:
+    if isinstance(request, pb.EmbedRequest):
+        return len(request.texts) or len(request.token_ids)
+    return len(request.texts) if isinstance(request, pb.TokenizeRequest) else 0
 
 
 def _stream_error(item: object, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:
@@ -271,38 +299,21 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-def _running_time(results: list[Result]) -> float:
-    """Seconds during which at least one of these results' batches ran (instances overlap)."""
-    spans = sorted({r.batch_id: (r.run_started, r.run_started + r.run_s) for r in results}.values())
-    total, covered_to = 0.0, -math.inf
-    for start, end in spans:
-        total += max(0.0, end - max(start, covered_to))
-        covered_to = max(covered_to, end)
-    return total
-
-
-def _usage(u: Usage) -> pb.InputUsage:
-    return pb.InputUsage(tokens=u.tokens, truncated=u.truncated, original_tokens=u.original_tokens)
-
-
-def _response(
-    results: list[Result], usage: list[Usage], normalize: bool, fmt: int, started: float
-) -> pb.EmbedResponse:
+def _response(answer: Answer, prepared: Prepared, fmt: int, started: float) -> pb.EmbedResponse:
+    """The response from the engine's one (n, D) array: one bytes copy per row, no float lists."""
+    response = pb.EmbedResponse(dimensions=answer.vectors.shape[1], total_tokens=int(prepared.lengths.sum()))
     as_bytes = fmt == pb.EMBEDDING_FORMAT_FLOAT32_BYTES
-    embeddings = []
-    for r, u in zip(results, usage, strict=True):
-        vector = r.embedding if normalize else r.pooled
+    vectors = answer.vectors.astype("<f4", copy=False)
+    usage = zip(
+        prepared.lengths.tolist(), prepared.truncated.tolist(), prepared.original.tolist(), strict=True
+    )
+    for vector, (tokens, cut, original) in zip(vectors, usage, strict=True):
+        u = pb.InputUsage(tokens=tokens, truncated=cut, original_tokens=original)
         if as_bytes:
-            e = pb.Embedding(float32_le=np.asarray(vector, dtype="<f4").tobytes(), usage=_usage(u))
+            response.embeddings.add(float32_le=vector.tobytes(), usage=u)
         else:
-            e = pb.Embedding(values=vector.tolist(), usage=_usage(u))
-        embeddings.append(e)
-    timing = pb.Timing(
-        queue_us=int(max(r.queue_s for r in results) * 1e6),
-        inference_us=int(_running_time(results) * 1e6),
-        total_us=int((time.perf_counter() - started) * 1e6),
-    )
-    dims = len(results[0].embedding)
-    return pb.EmbedResponse(
-        embeddings=embeddings, dimensions=dims, total_tokens=sum(u.tokens for u in usage), timing=timing
-    )
+            response.embeddings.add(values=vector.tolist(), usage=u)
+    response.timing.queue_us = answer.queue_us
+    response.timing.inference_us = answer.inference_us
+    response.timing.total_us = int((time.perf_counter() - started) * 1e6)
+    return response

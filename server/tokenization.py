@@ -1,29 +1,36 @@
-"""Request inputs -> validated token-id rows, with what each input cost (its usage).
+"""Request inputs -> validated token-id arrays, with what each input cost (its usage).
 
 Texts are tokenized with the model's own tokenizer.json (the `tokenizers` library); token-id inputs
-are checked against the vocabulary. Every refusal names the input, the limit and the value.
+are checked against the vocabulary. Every refusal names the input, the limit and the value. The
+result is arrays (lengths, ids one after another), what the engine takes: no per-input objects.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model.tokenizer import Tokenizer
-from server.errors import InvalidInput
+import numpy as np
 
-
-@dataclass(frozen=True)
-class Usage:
-    tokens: int
-    truncated: bool
-    original_tokens: int
+from model.tokenizer import PREFIX_CHARS, Tokenizer
+from server.errors import InvalidInput, Overloaded
 
 
 @dataclass(frozen=True)
 class Prepared:
-    rows: list[list[int]]
-    usage: list[Usage]
+    lengths: np.ndarray  # (n,) int32 tokens each input runs with
+    ids: np.ndarray  # (sum(lengths),) int32
+    truncated: np.ndarray  # (n,) bool
+    original: np.ndarray  # (n,) int64 tokens before truncation
+    lower_bound: np.ndarray  # (n,) bool: `original` counts a prefix's tokens only
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def row(self, i: int) -> np.ndarray:
+        start = int(self.lengths[:i].sum())
+        return self.ids[start : start + int(self.lengths[i])]
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,10 @@ class InputLimits:
     max_inputs_per_request: int
     max_input_tokens: int
     max_text_chars: int
+
+
+def _flatten(rows: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
 
 
 class RequestTokenizer:
@@ -49,7 +60,9 @@ class RequestTokenizer:
                 f"{self.limits.max_inputs_per_request}; split the request"
             )
 
-    def from_texts(self, texts: Sequence[str], truncate: bool) -> Prepared:
+    def check_texts(self, texts: Sequence[str]) -> None:
+        """Refusals that cost no tokenizing (call before from_texts): an empty text, a text over
+        max_text_chars."""
         self.check_count(len(texts))
         for i, text in enumerate(texts):
             if not text:
@@ -59,40 +72,91 @@ class RequestTokenizer:
                     f"input {i} has {len(text)} characters, over the limit max_text_chars="
                     f"{self.limits.max_text_chars}"
                 )
+
+    def from_texts(self, texts: Sequence[str], truncate: bool) -> Prepared:
         encoded = self.tokenizer.encode(list(texts))
-        usage = [
-            Usage(len(row), cut, original)
-            for row, cut, original in zip(
-                encoded.ids, encoded.truncated, encoded.original_lengths, strict=True
-            )
-        ]
+        lengths = np.fromiter(map(len, encoded.ids), dtype=np.int32, count=len(texts))
+        prepared = Prepared(
+            lengths,
+            _flatten(encoded.ids, lengths),
+            np.array(encoded.truncated, dtype=bool),
+            np.array(encoded.original_lengths, dtype=np.int64),
+            np.array(encoded.lower_bound, dtype=bool),
+        )
         if not truncate:
-            self._refuse_long(usage)
-        return Prepared(encoded.ids, usage)
+            self._refuse_long(prepared)
+        return prepared
+
+    def from_texts_whole(self, texts: Sequence[str], truncate: bool = False) -> Prepared:
+        """Tokenize's truncate=false: every id of every text, however long (never for the model)."""
+        rows = [self.tokenizer.encode_full(t) for t in texts]
+        lengths = np.fromiter(map(len, rows), dtype=np.int32, count=len(rows))
+        exact = np.zeros(len(rows), dtype=bool)
+        return Prepared(lengths, _flatten(rows, lengths), exact, lengths.astype(np.int64), exact)
 
     def from_ids(self, sequences: Sequence[Sequence[int]], truncate: bool) -> Prepared:
         self.check_count(len(sequences))
-        rows, usage = [], []
         limit = self.limits.max_input_tokens
+        rows = []
         for i, ids in enumerate(sequences):
             if not ids:
                 raise InvalidInput(f"input {i} is an empty token-id sequence")
-            bad = next((j for j, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
+            row = np.asarray(ids, dtype=np.int64)
+            bad = np.flatnonzero((row < 0) | (row >= self.vocab_size))
+            if bad.size:
+                j = int(bad[0])
                 raise InvalidInput(
-                    f"input {i}: token id {ids[bad]} at position {bad} is outside the vocabulary "
+                    f"input {i}: token id {ids[j]} at position {j} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-            rows.append(list(ids[:limit]))
-            usage.append(Usage(min(len(ids), limit), len(ids) > limit, len(ids)))
+            rows.append(row[:limit])
+        original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+        lengths = np.minimum(original, limit).astype(np.int32)
+        exact = np.zeros(len(sequences), dtype=bool)
+        prepared = Prepared(lengths, np.concatenate(rows).astype(np.int32), original > limit, original, exact)
         if not truncate:
-            self._refuse_long(usage)
-        return Prepared(rows, usage)
+            self._refuse_long(prepared)
+        return prepared
 
-    def _refuse_long(self, usage: list[Usage]) -> None:
-        for i, u in enumerate(usage):
-            if u.truncated:
-                raise InvalidInput(
-                    f"input {i} has {u.original_tokens} tokens, over the limit max_input_tokens="
-                    f"{self.limits.max_input_tokens}; send truncate=true to cut it"
-                )
+    def _refuse_long(self, prepared: Prepared) -> None:
+        for i in np.flatnonzero(prepared.truncated)[:1]:
+            at_least = "at least " if prepared.lower_bound[i] else ""
+            raise InvalidInput(
+                f"input {i} has {at_least}{prepared.original[i]} tokens, over the limit max_input_tokens="
+                f"{self.limits.max_input_tokens}; send truncate=true to cut it"
+            )
+
+
+def tokenizing_cost(texts: Sequence[str], whole: bool = False) -> int:
+    """Characters the tokenizer reads for these texts: a long text's prefix, unless `whole`."""
+    return sum(len(t) if whole else min(len(t), PREFIX_CHARS) for t in texts)
+
+
+class TokenizingBudget:
+    """Characters being tokenized at once in one front process, whatever the requests.
+
+    Bounds the tokenizer's memory (its encodings take ~25 bytes per character) and work in flight;
+    past it a request is refused at once (RESOURCE_EXHAUSTED) before any tokenizing.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+
+    def reserve(self, chars: int) -> None:
+        """Take `chars`, or refuse: it never fits (INVALID_ARGUMENT), or not now (RESOURCE_EXHAUSTED)."""
+        if chars > self.limit:
+            raise InvalidInput(
+                f"{chars} characters to tokenize in one request can never fit max_tokenizing_chars="
+                f"{self.limit}; split the request"
+            )
+        if self.in_use + chars > self.limit:
+            raise Overloaded(
+                f"tokenizer busy: {self.in_use} characters being tokenized, {chars} more asked, "
+                f"max_tokenizing_chars is {self.limit}; retry with backoff"
+            )
+        self.in_use += chars
+
+    def release(self, chars: int) -> None:
+        self.in_use -= chars
+        assert self.in_use >= 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -9,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +19,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from server.health import SERVICE_NAME
+from tests.stand_in_server import HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 _GRPC_PORT = re.compile(r"serving .* on port (\d+)")
 _METRICS_PORT = re.compile(r"metrics on :(\d+)/metrics")
+_ENGINE_PID = re.compile(r"engine pid (\d+)")
 
 
 def flags(settings: Mapping[str, object]) -> list[str]:
@@ -39,6 +45,7 @@ class ServerProcess:
     lines: list[str] = field(default_factory=list)
     port: int | None = None
     metrics_port: int | None = None
+    engine_pid: int | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -53,6 +60,7 @@ class ServerProcess:
                 self.metrics_port = int(m.group(1))
             if m := _GRPC_PORT.search(line):
                 self.port = int(m.group(1))
+                self.engine_pid = int(m2.group(1)) if (m2 := _ENGINE_PID.search(line)) else None
                 self._ready.set()
         self._ready.set()  # the process ended: stop waiting
 
@@ -66,6 +74,23 @@ class ServerProcess:
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def front_pids(self) -> list[int]:
+        """The front processes now: the supervisor's children other than the engine (and
+        multiprocessing's resource tracker)."""
+        children = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            children += [int(pid) for pid in (task / "children").read_text().split()]
+        fronts = []
+        for pid in children:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue  # ended meanwhile
+            if pid != self.engine_pid and b"resource_tracker" not in cmdline and state != "Z":
+                fronts.append(pid)
+        return sorted(fronts)
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -84,18 +109,42 @@ class ServerProcess:
 
 
 @contextmanager
-def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+def serving(
+    *args: str, env: dict[str, str] | None = None, entry: Sequence[str] = ("server",)
+) -> Iterator[ServerProcess]:
     """A started server, serving, for the body of the with-block; stopped (SIGTERM) after it."""
-    process = start_server(*args, env=env).wait_serving()
+    process = start_server(*args, env=env, entry=entry).wait_serving()
     try:
         yield process
     finally:
         process.stop()
 
 
-def start_server(*args: str, metrics: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m server` on 127.0.0.1:0 with the built model; call wait_serving() to block."""
-    cmd = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--model-dir", str(model_dir())]
+def fault_entry(fault_text: str) -> tuple[str, ...]:
+    """The entry for a real server whose batches holding exactly `fault_text` fail (tests only)."""
+    return ("tests.stand_in_server", "fault", fault_text)
+
+
+@contextlib.asynccontextmanager
+async def one_instance_held(address: str) -> AsyncIterator[None]:
+    """On a fault server (`fault_entry`): keep one model instance busy for HOLD_S seconds, so that the
+    inputs sent meanwhile wait in the queue for company (up to --max-queue-delay-ms) as under load."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        held = asyncio.ensure_future(stub.Embed(pb.EmbedRequest(texts=[HOLD_TEXT]), timeout=60))
+        await asyncio.sleep(0.5)  # taken into a batch: a lone input on an idle server runs at once
+        try:
+            yield
+        finally:
+            await held
+
+
+def start_server(
+    *args: str, metrics: bool = True, env: dict[str, str] | None = None, entry: Sequence[str] = ("server",)
+) -> ServerProcess:
+    """Start `python -m server` (or another entry) on 127.0.0.1:0 with the built model; call
+    wait_serving() to block."""
+    cmd = [sys.executable, "-m", *entry, "--address", "127.0.0.1:0", "--model-dir", str(model_dir())]
     cmd += ["--metrics-address", "127.0.0.1:0" if metrics else ""]
     cmd += list(args)
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -7,7 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from server.backend import CPU, CUDA, OnnxBackend, open_repository, plan_instances
+from model.repository import CPU_PROVIDER as CPU
+from model.repository import CUDA_PROVIDER as CUDA
+from server.backend import OnnxBackend, open_repository, plan_instances
 
 
 @pytest.mark.parametrize(

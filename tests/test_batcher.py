@@ -17,9 +17,15 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from server.batcher import Batcher, BatchLimits, choose_batch
+from server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch
 from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from server.metrics import Metrics
+
+
+async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None = None) -> Done:
+    """One request of these token-id rows."""
+    return await batcher.submit(Rows.of(rows), deadline)
+
 
 T = TypeVar("T")
 PAD = 0
@@ -80,8 +86,8 @@ def sample(batcher: Batcher, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def first_ids(results: list) -> list[int]:
-    return [int(r.embedding[0]) for r in results]
+def first_ids(done: Done) -> list[int]:
+    return [int(v) for v in done.embeddings[:, 0]]
 
 
 # choose_batch ---------------------------------------------------------------------------------------
@@ -147,13 +153,13 @@ def test_inputs_of_one_request_spanning_several_batches_come_back_in_order():
     async def scenario():
         batcher.start()
         try:
-            return await batcher.submit(rows)
+            return await submit(batcher, rows)
         finally:
             await batcher.stop()
 
     results = run(scenario)
     assert first_ids(results) == [10, 11, 12, 13, 14, 15, 16]
-    assert [int(r.embedding[1]) for r in results] == [len(r) for r in rows]
+    assert [int(v) for v in results.embeddings[:, 1]] == [len(r) for r in rows]
     assert len(model.batches) >= 4
     assert sorted(model.first_ids_seen()) == list(range(10, 17))
     assert sample(batcher, "embed_queue_depth") == 0
@@ -167,7 +173,7 @@ def test_two_workers_compute_two_batches_at_once_and_answers_keep_their_order():
     async def scenario():
         batcher.start()
         try:
-            answers = asyncio.create_task(batcher.submit(rows))
+            answers = asyncio.create_task(submit(batcher, rows))
             await wait_until(lambda: len(model.batches) == 2)  # both instances busy at once
             await asyncio.sleep(0.05)
             assert len(model.batches) == 2  # no third batch while both are busy
@@ -190,7 +196,7 @@ def test_padding_matches_the_lengths_given_to_the_model():
     async def scenario():
         batcher.start()
         try:
-            return await batcher.submit(rows)
+            return await submit(batcher, rows)
         finally:
             await batcher.stop()
 
@@ -215,12 +221,12 @@ def test_full_queue_refuses_at_once():
     async def scenario():
         batcher.start()
         try:
-            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
             await wait_until(lambda: model.batches)  # the model is busy with it
-            queued = asyncio.create_task(batcher.submit([[2, 5], [3, 5], [4, 5]]))
+            queued = asyncio.create_task(submit(batcher, [[2, 5], [3, 5], [4, 5]]))
             await wait_until(lambda: batcher.depth == 3)
             with pytest.raises(Overloaded, match="queue_limit is 3"):
-                await asyncio.wait_for(batcher.submit([[5, 5]]), 1.0)  # would block if queued
+                await asyncio.wait_for(submit(batcher, [[5, 5]]), 1.0)  # would block if queued
             assert sample(batcher, "embed_requests_refused_total") == 1
             model.gate.set()
             return await running, await queued
@@ -242,7 +248,7 @@ def test_more_inputs_than_the_whole_queue_holds_are_invalid_not_overload():
         batcher.start()
         try:
             with pytest.raises(InvalidInput, match="4 inputs can never fit the queue_limit of 3"):
-                await batcher.submit([[1, 5], [2, 5], [3, 5], [4, 5]])
+                await submit(batcher, [[1, 5], [2, 5], [3, 5], [4, 5]])
         finally:
             await batcher.stop()
 
@@ -258,15 +264,15 @@ def test_input_whose_deadline_passed_in_the_queue_is_dropped_before_compute():
     async def scenario():
         batcher.start()
         try:
-            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
             await wait_until(lambda: model.batches)
-            late = asyncio.create_task(batcher.submit([[2, 5]], deadline=time.monotonic() + 0.05))
+            late = asyncio.create_task(submit(batcher, [[2, 5]], deadline=time.monotonic() + 0.05))
             await asyncio.sleep(0.15)
             model.gate.set()
             await running
             with pytest.raises(Dropped):
                 await late
-            return await batcher.submit([[3, 5]])  # and it keeps serving
+            return await submit(batcher, [[3, 5]])  # and it keeps serving
         finally:
             await batcher.stop()
 
@@ -283,16 +289,16 @@ def test_inputs_of_a_cancelled_caller_are_dropped_before_compute():
     async def scenario():
         batcher.start()
         try:
-            running = asyncio.create_task(batcher.submit([[1, 5]]))
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
             await wait_until(lambda: model.batches)
-            gone = asyncio.create_task(batcher.submit([[2, 5], [3, 5]]))
+            gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5]]))
             await wait_until(lambda: batcher.depth == 2)
             gone.cancel()
             await asyncio.sleep(0)
             model.gate.set()
             await running
             await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
-            return await batcher.submit([[4, 5]])
+            return await submit(batcher, [[4, 5]])
         finally:
             await batcher.stop()
 
@@ -309,7 +315,7 @@ def test_a_failing_row_fails_only_its_own_request():
         batcher.start()
         try:
             requests = [[[1, 5]], [[FAULT, 5]], [[3, 5], [4, 5]]]
-            return await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
+            return await asyncio.gather(*(submit(batcher, r) for r in requests), return_exceptions=True)
         finally:
             await batcher.stop()
 
@@ -331,8 +337,8 @@ def test_batcher_keeps_serving_after_a_request_with_several_failing_rows():
         batcher.start()
         try:
             requests = [[[1, 5]], [[FAULT, 5], [FAULT, 6], [FAULT, 7]]]
-            outcome = await asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True)
-            after = await asyncio.wait_for(batcher.submit([[2, 5]]), 5)
+            outcome = await asyncio.gather(*(submit(batcher, r) for r in requests), return_exceptions=True)
+            after = await asyncio.wait_for(submit(batcher, [[2, 5]]), 5)
             return outcome, after
         finally:
             await batcher.stop()

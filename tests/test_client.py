@@ -32,12 +32,15 @@ def client(server: ServerProcess) -> Iterator[EmbeddingClient]:
         yield c
 
 
-def run_client(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_client(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("EMBED_")}  # no stray settings
     return subprocess.run(
         [sys.executable, "-m", "client", *args],
         cwd=ROOT,
         env={**environment, **(env or {})},
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=120,

@@ -182,18 +182,41 @@ def test_renderer_refuses_what_it_cannot_render(tmp_path: Path) -> None:
 # The image.
 
 
+def build_args() -> dict[str, str]:
+    """The global ARGs (before the first FROM) and their defaults."""
+    return dict(rest.split("=", 1) for keyword, rest in stages()[0] if keyword == "ARG")
+
+
+def stage(alias: str) -> list[tuple[str, str]]:
+    (found,) = [s for s in stages()[1:] if s[0][1].split()[-1] == alias]
+    return found
+
+
+def variants() -> list[str]:
+    """The image variants: the stages named runtime-base-<variant>."""
+    aliases = [s[0][1].split()[-1] for s in stages()[1:]]
+    return [a.removeprefix("runtime-base-") for a in aliases if a.startswith("runtime-base-")]
+
+
 def test_every_stage_starts_from_a_pinned_build_argument() -> None:
-    defaults = dict(rest.split("=", 1) for keyword, rest in stages()[0] if keyword == "ARG")
+    defaults = build_args()
     named: set[str] = set()
     for rest in arguments("FROM"):
         image, *alias = rest.split()
         if image not in named:
-            match = re.fullmatch(r"\$\{(\w+)\}", image)
-            assert match, f"FROM {image} does not come from a build argument"
-            assert_pinned(defaults[match.group(1)])
+            # A stage named by a build argument, like runtime-base-${VARIANT}: every variant is a stage.
+            if match := re.fullmatch(r"([\w-]+)\$\{(\w+)\}", image):
+                assert match.group(1) + defaults[match.group(2)] in named
+                assert {match.group(1) + v for v in variants()} <= named
+            else:
+                match = re.fullmatch(r"\$\{(\w+)\}", image)
+                assert match, f"FROM {image} does not come from a build argument"
+                assert_pinned(defaults[match.group(1)])
         named.update(alias[-1:])
+    assert sorted(variants()) == ["cpu", "gpu"] and defaults["VARIANT"] == "gpu"
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))
-    assert_pinned(compose["services"]["embed"]["build"]["args"]["RUNTIME_IMAGE"])
+    assert compose["services"]["embed"]["build"]["args"]["VARIANT"] == "cpu"
+    assert compose["services"]["embed-gpu"]["build"].get("args", {}).get("VARIANT", "gpu") == "gpu"
 
 
 def assert_pinned(image: str) -> None:
@@ -209,12 +232,12 @@ def test_runtime_stage_carries_the_server_and_model_but_no_torch() -> None:
         rest.split()[1:-1] for keyword, rest in runtime if keyword == "COPY" and "--from=export" in rest
     ]
     assert sorted(copied) == [["/model"], ["/src/proto/"]]
-    (protoc,) = [rest for _, rest in stages()[1] if "grpc_tools.protoc" in rest]
+    (protoc,) = [rest for _, rest in stage("export") if "grpc_tools.protoc" in rest]
     assert "python -m export --out /model" in protoc
 
 
-def test_runtime_lock_pins_every_dependency_with_hashes() -> None:
-    text = (ROOT / "requirements" / "runtime.txt").read_text(encoding="utf-8")
+def lock_pins(variant: str) -> dict[str, str]:
+    text = (ROOT / "requirements" / f"runtime-{variant}.txt").read_text(encoding="utf-8")
     entries = [e for e in re.sub(r"\\\n", " ", text).splitlines() if e and not e.lstrip().startswith("#")]
     pins = {}
     for entry in entries:
@@ -223,12 +246,25 @@ def test_runtime_lock_pins_every_dependency_with_hashes() -> None:
         (spec,) = requirement.specifier
         assert spec.operator == "==", entry
         pins[canonicalize_name(requirement.name)] = spec.version
+    return pins
+
+
+@pytest.mark.parametrize("variant", ["gpu", "cpu"])
+def test_runtime_lock_pins_every_dependency_with_hashes(variant: str) -> None:
+    """Each variant's lock satisfies pyproject; the CPU one with onnxruntime in place of onnxruntime-gpu.
+    Never both: they install the same `onnxruntime` module, and the later one wins half-way."""
+    pins = lock_pins(variant)
     assert "torch" not in pins
+    runtime = {"gpu": "onnxruntime-gpu", "cpu": "onnxruntime"}[variant]
+    other = {"gpu": "onnxruntime", "cpu": "onnxruntime-gpu"}[variant]
+    assert runtime in pins and other not in pins
+    assert any("requirements/runtime-${VARIANT}.txt" in rest for _, rest in stage("venv"))
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     for dependency in pyproject["project"]["dependencies"]:
         wanted = Requirement(dependency)
-        pinned = pins.get(canonicalize_name(wanted.name))
-        assert pinned and pinned in wanted.specifier, f"lock has {wanted.name}=={pinned}, not {wanted}"
+        name = canonicalize_name(wanted.name).replace("onnxruntime-gpu", runtime)
+        pinned = pins.get(name)
+        assert pinned and pinned in wanted.specifier, f"lock has {name}=={pinned}, not {wanted}"
 
 
 def test_image_user_ports_and_build_context() -> None:
@@ -426,3 +462,11 @@ def test_compose_wires_prometheus_rules_and_grafana_dashboard() -> None:
         for source in yaml.safe_load(source_file.read_text(encoding="utf-8"))["datasources"]:
             host = re.match(r"http://([\w-]+):", source["url"])
             assert host and host.group(1) in services, source["url"]
+
+
+def test_compose_scales_the_cpu_replicas_without_host_port_clashes() -> None:
+    """`docker compose up --scale embed=3` starts only if no replica asks for a fixed host port."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
+    ports = [str(p) for p in services["embed"]["ports"]]
+    assert ports and all(":" not in p for p in ports), ports
+    assert {int(p) for p in ports} == {port(ServerConfig().address), port(ServerConfig().metrics_address)}

@@ -12,12 +12,29 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from export.onnx import OPSET
-from export.optimize import CPU_DISABLED_OPTIMIZERS, CPU_PROVIDER, cpu_session
-from export.parity import MAX_ABS_DIFF, MAX_SPEARMAN_GAP, MIN_COSINE, ParityError, compare, run_parity
+from export.optimize import (
+    CPU_DISABLED_OPTIMIZERS,
+    MS_DOMAIN,
+    cpu_session,
+    int8_gemm_nodes,
+    int8_shared_constants,
+)
+from export.parity import (
+    INT8_MAX_SPEARMAN_GAP,
+    INT8_MIN_BATCH_COSINE,
+    MAX_ABS_DIFF,
+    MAX_SPEARMAN_GAP,
+    MIN_COSINE,
+    ParityError,
+    compare,
+    run_parity,
+)
+from model.repository import CPU_PROVIDER, INT8_FILE
 from model.tokenizer import pad_batch
 from model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
 
@@ -210,3 +227,51 @@ def test_built_repository_sts_b_spearman(built_manifest):
     assert abs(check["spearman_onnx"] - check["spearman_reference"]) <= MAX_SPEARMAN_GAP
     # all-MiniLM-L6-v2 scores about 86.7 on STS-B dev; counting pad tokens as real cost 12.6 points.
     assert check["spearman_onnx"] > 85
+
+
+def int8_gemm_session(w: np.ndarray, bias: np.ndarray, absmax: np.ndarray) -> ort.InferenceSession:
+    """One Gemm (x @ w.T + bias) rewritten by the int8 graph's builder, as a runnable graph."""
+    k = w.shape[1]
+    make = onnx.helper.make_node
+    gemm = make("Gemm", ["x", "w", "bias"], ["y"], name="linear", transB=1)
+    nodes, weights = int8_gemm_nodes(gemm, onnx.numpy_helper.from_array(w, "w"), absmax)
+    weights += [onnx.numpy_helper.from_array(bias, "bias"), *int8_shared_constants()]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "int8_gemm",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["rows", w.shape[0]])],
+        weights,
+    )
+    opsets = [onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(MS_DOMAIN, 1)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    return ort.InferenceSession(model.SerializeToString(), providers=[CPU_PROVIDER])
+
+
+def test_int8_gemm_is_close_to_fp32_with_an_outlier_channel_and_each_row_is_quantised_alone():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 64)) * 0.1).astype(np.float32)
+    bias = rng.standard_normal(48).astype(np.float32)
+    x = rng.standard_normal((9, 64)).astype(np.float32)
+    x[:, 5] *= 25  # one outlier channel, as the GELU and LayerNorm outputs have
+    x[3] *= 100  # one row far larger than the rest: a per-batch scale would crush the others
+    session = int8_gemm_session(w, bias, np.abs(x).max(axis=0))
+    (batch,) = session.run(None, {"x": x})
+    want = x @ w.T + bias
+    relative = np.abs(batch - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert relative.max() < 0.03, relative
+    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(len(x))])
+    np.testing.assert_allclose(alone, batch, rtol=0, atol=1e-5)
+
+
+def test_built_int8_graph_quantises_every_linear_layer_and_passed_its_gate(model_dir, built_manifest):
+    if INT8_FILE not in {g["file"] for g in built_manifest["graphs"]}:
+        pytest.skip("the model repository was built without an int8 graph (no data directory)")
+    graph = onnx.load(str(model_dir / INT8_FILE), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert "Gemm" not in ops  # the FFN down projections too
+    assert ops.count("MatMulIntegerToFloat") == 24  # 6 layers x (qkv, out, up, down)
+    checks = {c["name"]: c for c in built_manifest["parity_int8"]["checks"]}
+    assert all(c["passed"] for c in checks.values())
+    assert checks["int8 batch invariance"]["min_cosine"] >= INT8_MIN_BATCH_COSINE == 0.9999
+    assert checks["int8 sts-b dev spearman vs fp32"]["gap"] <= INT8_MAX_SPEARMAN_GAP == 0.3

@@ -24,11 +24,17 @@ from prometheus_client.samples import Sample
 
 from client.client import EmbeddingClient, embed_request
 from proto.embedding.v1 import embedding_pb2 as pb
-from server.batcher import Batcher, BatchLimits
+from server.batcher import Batcher, BatchLimits, Done, Rows
 from server.errors import Dropped, Overloaded
 from server.metrics import Metrics
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server
+
+
+async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None = None) -> Done:
+    """One request of these token-id rows."""
+    return await batcher.submit(Rows.of(rows), deadline)
+
 
 Served = tuple[ServerProcess, pb.InfoResponse, str]
 DOCS = REPO_ROOT / "docs" / "metrics.md"
@@ -39,7 +45,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_inputs": ("counter", set()),
     "embed_tokens": ("counter", set()),
     "embed_batch_tokens": ("counter", set()),
-    "embed_request_duration_seconds": ("histogram", {"method"}),
+    "embed_request_duration_seconds": ("histogram", {"method", "size"}),
     "embed_queue_wait_seconds": ("histogram", set()),
     "embed_tokenization_duration_seconds": ("histogram", set()),
     "embed_model_run_duration_seconds": ("histogram", set()),
@@ -51,7 +57,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_inputs_dropped": ("counter", {"reason"}),
     "embed_inputs_truncated": ("counter", set()),
     "embed_batch_failures": ("counter", set()),
-    "embed_model": ("info", INFO_LABELS),
+    "embed_model_info": ("gauge", INFO_LABELS),
     "embed_model_load_seconds": ("gauge", set()),
     "embed_model_warmup_seconds": ("gauge", set()),
     "embed_ready": ("gauge", set()),
@@ -69,6 +75,7 @@ BOUNDED = {
     "method": METHODS,
     "code": {c.name for c in grpc.StatusCode},
     "reason": {"deadline", "cancelled"},
+    "size": {"0", "1", "2-8", "9-64", "65+"},
 }
 
 
@@ -81,10 +88,8 @@ def exercised_metrics() -> Metrics:
     """Fresh metrics with one child of each labelled family, so every family has samples."""
     m = Metrics(CollectorRegistry())
     m.requests.labels("Embed", "OK").inc()
-    m.request_duration.labels("Embed").observe(0.01)
-    m.model.info(
-        {"model_id": "m", "sha256": "0" * 64, "precision": "fp32", "provider": "CPUExecutionProvider"}
-    )
+    m.request_duration.labels("Embed", "1").observe(0.01)
+    m.model.labels("m", "0" * 64, "fp32", "CPUExecutionProvider").set(1)
     return m
 
 
@@ -193,7 +198,7 @@ def test_one_batch_moves_the_real_and_padded_token_counters() -> None:
     rows = [[5] * 2, [5] * 4, [5] * 8]  # padded to 3 x 8 = 24 tokens, 14 of them real
 
     async def scenario(batcher: Batcher) -> None:
-        assert len(await batcher.submit(rows)) == 3
+        assert len(await submit(batcher, rows)) == 3
 
     m = run_with_batcher(FakeRun(), scenario)
     assert value(m, "embed_tokens_total") == 14
@@ -201,7 +206,7 @@ def test_one_batch_moves_the_real_and_padded_token_counters() -> None:
     assert value(m, "embed_inputs_total") == 3
     assert value(m, "embed_batch_size_count") == 1 and value(m, "embed_batch_size_sum") == 3
     assert value(m, "embed_batch_padded_tokens_sum") == 24
-    assert value(m, "embed_queue_wait_seconds_count") == 3
+    assert value(m, "embed_queue_wait_seconds_count") == 1  # one request
     assert value(m, "embed_model_run_duration_seconds_count") == 1
     assert value(m, "embed_queue_depth") == 0
     padding = 1 - value(m, "embed_tokens_total") / value(m, "embed_batch_tokens_total")
@@ -212,12 +217,12 @@ def test_a_full_queue_is_refused_and_counted_without_compute() -> None:
     run = FakeRun(blocked=True)
 
     async def scenario(batcher: Batcher) -> None:
-        first = asyncio.create_task(batcher.submit([[1]]))  # taken into a batch; the model blocks
+        first = asyncio.create_task(submit(batcher, [[1]]))  # taken into a batch; the model blocks
         await _wait_until(lambda: run.runs == 1)
-        waiting = asyncio.create_task(batcher.submit([[2], [3]]))  # fills the queue (limit 2)
+        waiting = asyncio.create_task(submit(batcher, [[2], [3]]))  # fills the queue (limit 2)
         await _wait_until(lambda: batcher.depth == 2)
         with pytest.raises(Overloaded):
-            await batcher.submit([[4]])
+            await submit(batcher, [[4]])
         run.gate.set()
         await asyncio.gather(first, waiting)
 
@@ -231,7 +236,7 @@ def test_an_expired_deadline_is_dropped_before_compute_and_counted() -> None:
 
     async def scenario(batcher: Batcher) -> None:
         with pytest.raises(Dropped):
-            await batcher.submit([[1, 2, 3]], deadline=time.monotonic() - 0.001)
+            await submit(batcher, [[1, 2, 3]], deadline=time.monotonic() - 0.001)
 
     m = run_with_batcher(run, scenario)
     assert value(m, "embed_inputs_dropped_total", reason="deadline") == 1
@@ -248,9 +253,9 @@ async def _wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> No
 
 async def _queue_behind_a_running_batch(batcher: Batcher, run: FakeRun, deadline: float | None) -> None:
     """Queue one input behind a blocked batch, cancel its caller (at its deadline, if it has one)."""
-    first = asyncio.create_task(batcher.submit([[1, 1]]))
+    first = asyncio.create_task(submit(batcher, [[1, 1]]))
     await _wait_until(lambda: run.runs == 1)
-    waiting = asyncio.create_task(batcher.submit([[2, 2]], deadline=deadline))
+    waiting = asyncio.create_task(submit(batcher, [[2, 2]], deadline=deadline))
     await _wait_until(lambda: batcher.depth == 1)
     if deadline is not None:
         await asyncio.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
@@ -360,7 +365,8 @@ def test_live_scrape_counts_the_calls_made(served: Served) -> None:
     assert get("embed_inputs_total") == 2
     assert get("embed_inputs_truncated_total") == 1
     assert 0 < get("embed_tokens_total") <= get("embed_batch_tokens_total")
-    assert get("embed_request_duration_seconds_count", method="Embed") == 2
+    assert get("embed_request_duration_seconds_count", method="Embed", size="2-8") == 1
+    assert get("embed_request_duration_seconds_count", method="Embed", size="0") == 1
     assert get("embed_ready") == 1
     assert get("embed_requests_in_flight") == 0
     assert get("embed_model_load_seconds") > 0 and get("embed_model_warmup_seconds") > 0

@@ -135,12 +135,17 @@ def wait_ready(prometheus: Prometheus, proc: subprocess.Popen[bytes], log: Path)
     pytest.fail(f"prometheus did not become ready:\n{log.read_text()[-3000:]}", pytrace=False)
 
 
+def installed(name: str) -> str:
+    """The path of Debian's `prometheus` or `promtool`; the test fails (never skips) without it."""
+    binary = shutil.which(name)
+    if binary is None:
+        pytest.fail(f"{name} not found on PATH: run scripts/install-prometheus.sh", pytrace=False)
+    return binary
+
+
 @pytest.fixture(scope="module")
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.fail("prometheus not found on PATH: run scripts/install-prometheus.sh", pytrace=False)
-    return binary
+    return installed("prometheus")
 
 
 @pytest.fixture(scope="module")

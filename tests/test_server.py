@@ -26,13 +26,19 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
-from export.optimize import cpu_session
-from model.tokenizer import Tokenizer, pad_batch
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.batcher import Result
-from server.service import _running_time
-from tests.server_process import SERVICE_NAME, ServerProcess, flags, serving, start_server
+from server.batcher import running_time
+from tests.reference import Reference
+from tests.server_process import (
+    SERVICE_NAME,
+    ServerProcess,
+    fault_entry,
+    flags,
+    one_instance_held,
+    serving,
+    start_server,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_COSINE = 0.99999
@@ -110,25 +116,6 @@ async def embed_concurrently(address: str, requests: Sequence[pb.EmbedRequest], 
     """Send every request at once on one channel; each outcome is a response or an RpcError."""
     async with AsyncEmbeddingClient(address, timeout) as c:
         return await asyncio.gather(*(c.embed_response(r) for r in requests), return_exceptions=True)
-
-
-class Reference:
-    """The same model file in this process: ONNX Runtime on the CPU, one text at a time."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.session = cpu_session(model_dir / "model.onnx")
-        self.tokenizer = Tokenizer(model_dir / "tokenizer.json", MAX_TOKENS)
-        self._cache: dict[tuple[str, bool], np.ndarray] = {}
-
-    def embed(self, texts: Sequence[str], normalize: bool = True) -> np.ndarray:
-        return np.stack([self._one(t, normalize) for t in texts])
-
-    def _one(self, text: str, normalize: bool) -> np.ndarray:
-        if (text, normalize) not in self._cache:
-            ids, lengths = pad_batch(self.tokenizer.encode([text]).ids)
-            normalised, pooled = self.session.run(None, {"input_ids": ids, "lengths": lengths})
-            self._cache[text, normalize] = (normalised if normalize else pooled)[0]
-        return self._cache[text, normalize]
 
 
 @pytest.fixture(scope="module")
@@ -223,12 +210,9 @@ def test_usage_and_timing_are_filled(client, reference):
 
 
 def test_inference_time_counts_batches_that_ran_at_once_once():
-    def result(batch_id: int, started: float, run_s: float) -> Result:
-        return Result(np.zeros(2), np.zeros(2), 0.0, started, run_s, batch_id)
-
     # Batches 1 and 2 overlap on two instances (10.0-10.4 and 10.1-10.3); batch 3 runs later alone.
-    results = [result(1, 10.0, 0.4), result(2, 10.1, 0.2), result(1, 10.0, 0.4), result(3, 11.0, 0.1)]
-    assert _running_time(results) == pytest.approx(0.5)
+    spans = [(10.0, 10.4), (10.1, 10.3), (10.0, 10.4), (11.0, 11.1)]
+    assert running_time(spans) == pytest.approx(0.5)
 
 
 # Every refusal ------------------------------------------------------------------------------------
@@ -437,14 +421,19 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
 @pytest.fixture(scope="module")
 def fault_server() -> Iterator[ServerProcess]:
     # A long queue delay, so that the faulty input shares its batch with the others.
-    with serving("--fault-text", FAULT, "--max-queue-delay-ms", "100") as process:
+    with serving("--max-queue-delay-ms", "100", entry=fault_entry(FAULT)) as process:
         yield process
 
 
 def test_backend_failure_fails_only_the_request_holding_the_input(fault_server, reference):
     texts = [[SHORT[i]] for i in range(20)]
     texts.insert(7, [FAULT])
-    outcomes = asyncio.run(embed_concurrently(fault_server.address, [embed_request(t) for t in texts], 60))
+
+    async def behind_a_busy_instance() -> list:
+        async with one_instance_held(fault_server.address):
+            return await embed_concurrently(fault_server.address, [embed_request(t) for t in texts], 60)
+
+    outcomes = asyncio.run(behind_a_busy_instance())
     failed = outcomes.pop(7)
     assert status(failed) == grpc.StatusCode.INTERNAL
     assert "model run failed" in failed.details()

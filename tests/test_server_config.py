@@ -126,3 +126,20 @@ def test_server_process_takes_settings_from_env_and_flags_over_env():
             assert "max_inputs_per_request=7" in e.value.details()
     finally:
         server.stop()
+
+
+def test_the_tokenizing_budget_refuses_what_never_fits_and_what_does_not_fit_now():
+    from server.errors import InvalidInput, Overloaded
+    from server.tokenization import TokenizingBudget
+
+    budget = TokenizingBudget(100)
+    with pytest.raises(InvalidInput, match="101 characters to tokenize in one request can never fit"):
+        budget.reserve(101)
+    budget.reserve(60)
+    with pytest.raises(
+        Overloaded, match="60 characters being tokenized, 50 more asked, max_tokenizing_chars is 100"
+    ):
+        budget.reserve(50)
+    budget.release(60)
+    budget.reserve(100)
+    assert budget.in_use == 100

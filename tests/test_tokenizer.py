@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.tokenizer import Tokenizer, pad_batch
+from model.tokenizer import PREFIX_CHARS, Tokenizer, pad_batch
 
 CLS, SEP, UNK = 101, 102, 100
 
@@ -101,3 +101,34 @@ def test_pad_batch_of_tokenized_text(tokenizer):
     for row, n, original in zip(ids, lengths, tokenized.ids, strict=True):
         assert row[:n].tolist() == original
         assert not row[n:].any()
+
+
+# Long texts: a prefix is tokenized when that provably gives the same ids ----------------------------
+
+LONG_CASES = {
+    "prose": " ".join(["the quick brown fox jumps over the lazy dog"] * 2500),
+    "one giant word, then words": "a" * 50_000 + " hello" * 8_000,
+    "a giant word across the cut": "x" * 4_090 + " and then some words" * 500,
+    "CJK": "日本語のテキスト" * 12_000,
+    "punctuation": "word, " * 16_000,
+    "accents, composed and not": "é" * 3_000 + "e\u0301" * 3_000 + " ok" * 1_000,
+    "a short text over 256 tokens": " ".join(["token"] * 600),
+}
+
+
+@pytest.mark.parametrize("name", LONG_CASES)
+def test_long_texts_get_the_ids_of_the_whole_text_truncated(tokenizer, name):
+    text = LONG_CASES[name]
+    whole = tokenizer.encode_full(text)
+    got = tokenizer.encode([text])
+    assert got.ids[0] == [*whole[:255], whole[-1]]
+    assert got.truncated[0] == (len(whole) > 256)
+    if got.lower_bound[0]:  # only a prefix was read: the count is at most the whole's
+        assert len(text) > PREFIX_CHARS and 256 < got.original_lengths[0] <= len(whole)
+    else:
+        assert got.original_lengths[0] == len(whole)
+
+
+def test_a_long_prose_text_reads_only_its_prefix(tokenizer):
+    got = tokenizer.encode([LONG_CASES["prose"]])
+    assert got.lower_bound == [True]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import train
+from model import checkpoints, loop, pairs, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--init", "scratch", "--hidden", "32", "--layers", "2", "--heads", "2", "--max-seq-length", "32"]
@@ -46,7 +46,7 @@ def write_scored(path: Path) -> Path:
 
 
 def losses(checkpoint: Path) -> list[float]:
-    lines = (checkpoint / train.LOG_FILE).read_text(encoding="utf-8").splitlines()
+    lines = (checkpoint / checkpoints.LOG_FILE).read_text(encoding="utf-8").splitlines()
     return [entry["loss"] for entry in map(json.loads, lines) if "loss" in entry]
 
 
@@ -70,17 +70,17 @@ def test_an_interrupted_run_resumes_exactly(tmp_path: Path, monkeypatch: pytest.
     args += ["--max-steps", "6", "--eval-every", "3"]
     assert train.main([*args, "--out", str(tmp_path / "whole")]) == 0
 
-    real_step = train.train_step
+    real_step = loop.train_step
 
-    def killed_at_step_5(run: train.Run, batch: train.Batch) -> float:
+    def killed_at_step_5(run: loop.Run, batch: pairs.Batch) -> float:
         if run.step == 4:
             raise KeyboardInterrupt
         return real_step(run, batch)
 
-    monkeypatch.setattr(train, "train_step", killed_at_step_5)
+    monkeypatch.setattr(loop, "train_step", killed_at_step_5)
     with pytest.raises(KeyboardInterrupt):
         train.main([*args, "--out", str(tmp_path / "cut")])  # leaves the step-3 checkpoint
-    monkeypatch.setattr(train, "train_step", real_step)
+    monkeypatch.setattr(loop, "train_step", real_step)
     resumed = [*args, "--resume", str(tmp_path / "cut"), "--out", str(tmp_path / "resumed")]
     assert train.main(resumed) == 0
 

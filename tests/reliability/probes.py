@@ -71,16 +71,25 @@ def gauges(s: Scrape) -> dict[str, float]:
 
 
 def rss_bytes(pid: int) -> int:
-    """VmRSS of a live process, from /proc (Linux)."""
+    """VmRSS of a live process and every process under it (the server's supervisor, engine and
+    fronts), from /proc (Linux)."""
+    total = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
+            total = int(line.split()[1]) * 1024
+    assert total, f"no VmRSS for process {pid}"
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                total += rss_bytes(int(child))
+            except (FileNotFoundError, AssertionError):
+                continue  # it ended meanwhile
+    return total
 
 
 @dataclass
 class RssSampler:
-    """Samples a process's resident memory every `interval` seconds in a thread: (time, bytes)."""
+    """Samples a process tree's resident memory every `interval` seconds in a thread: (time, bytes)."""
 
     pid: int
     interval: float = 1.0

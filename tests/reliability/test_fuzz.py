@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from model.tokenizer import Tokenizer
+from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from tests.reliability.contract import Contract, Expect, Limits
 from tests.reliability.probes import RssSampler, rss_bytes, wait_idle
@@ -33,7 +34,7 @@ from tests.reliability.workload import MAX_TOKENS, channels
 
 EXAMPLES = 10_000
 CONCURRENCY = 32
-SERVICE = "/embedding.v1.EmbeddingService/"
+SERVICE = f"/{SERVICE_NAME}/"
 LIMITS = Limits.defaults()
 # Characters that have broken text pipelines: NUL and controls, combining marks, zero-width and
 # bidirectional controls, right-to-left scripts, emoji (with joiners: families; regional indicators:

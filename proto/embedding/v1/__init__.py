@@ -1,0 +1,9 @@
+"""embedding.v1, the API. The modules beside this file are generated from embedding.proto by `make proto`.
+
+SERVICE_NAME is read from the proto's descriptor, so the server (health, auth), the client (its
+service config) and the tests all use the name the proto declares.
+"""
+
+from proto.embedding.v1 import embedding_pb2 as _pb
+
+SERVICE_NAME: str = _pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name

@@ -1,0 +1,226 @@
+"""The front end's capacity with the model cost removed, and the real model served, in one run.
+
+    python bench/bench_front.py --model-dir build/model [--data-dir ../shared/data] [--seconds 6]
+
+1. Baselines measured here, in this run: the floor of a Python gRPC server (an asyncio handler that
+   does nothing, same client, same load), and one front/engine round trip over ZeroMQ.
+2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
+   (`python -m tests.stand_in_server instant`, never startable from `python -m server`), with 1 and
+   2 front processes: requests/s, sentences/s, and the server's CPU time per request and per sentence,
+   summed from /proc over every server process (not wall time).
+3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
+   1 and 32 sentences per request, and the unbatched server), with 1 and 2 fronts.
+Writes markdown to stdout and JSON to build/bench/front.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_server import Row, ceiling, load, sentences, table
+
+from proto.embedding.v1 import SERVICE_NAME
+from tests.server_process import start_server
+
+STAND_IN = ("tests.stand_in_server", "instant")
+LEVELS = ((64, 1), (64, 32))
+
+
+@dataclass
+class Capacity:
+    setup: str
+    fronts: int
+    inputs_per_request: int
+    requests_per_s: float
+    sentences_per_s: float
+    cpu_us_per_request: float
+    cpu_us_per_sentence: float
+    errors: int
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and every descendant, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def measure(
+    setup: str, fronts: int, pid: int, address: str, texts: list[str], seconds: float
+) -> list[Capacity]:
+    result = []
+    for concurrency, per_request in LEVELS:
+        before = tree_cpu_seconds(pid)
+        row = asyncio.run(load(address, texts, concurrency, per_request, seconds))
+        cpu = tree_cpu_seconds(pid) - before
+        requests = row.requests + row.errors
+        result.append(
+            Capacity(
+                setup, fronts, per_request, row.requests / seconds, row.sentences_per_s,
+                cpu / max(requests, 1) * 1e6, cpu / max(requests * per_request, 1) * 1e6, row.errors,
+            )
+        )  # fmt: skip
+        print(f"  {setup} x{per_request}: {result[-1].cpu_us_per_request:.0f} us/request", file=sys.stderr)
+    return result
+
+
+def stand_in(model_dir: Path, fronts: int, texts: list[str], seconds: float) -> list[Capacity]:
+    flags = ["--model-dir", str(model_dir), "--queue-limit", "16384", "--front-processes", str(fronts)]
+    server = start_server(*flags, metrics=False, entry=STAND_IN).wait_serving()
+    try:
+        return measure(
+            f"stand-in model, {fronts} front(s)", fronts, server.proc.pid, server.address, texts, seconds
+        )
+    finally:
+        server.stop()
+
+
+def _echo_server(port_out: multiprocessing.SimpleQueue) -> None:  # type: ignore[type-arg]
+    async def main() -> None:
+        async def embed(request: bytes, context: object) -> bytes:
+            return b""
+
+        handler = grpc.unary_unary_rpc_method_handler(embed)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Embed": handler}),)
+        )
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def grpc_floor(texts: list[str], seconds: float) -> list[Capacity]:
+    """A Python gRPC server whose Embed handler does nothing (answers an empty response)."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.SimpleQueue()
+    process = context.Process(target=_echo_server, args=(ports,), daemon=True)
+    process.start()
+    try:
+        assert process.pid is not None
+        return measure(
+            "gRPC floor: empty handler", 1, process.pid, f"127.0.0.1:{ports.get()}", texts, seconds
+        )
+    finally:
+        process.kill()
+
+
+def _router(address: str, dims: int) -> None:
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(address)
+    vectors = np.zeros((32, dims), np.float32)
+    while True:
+        identity, *_ = sock.recv_multipart()
+        sock.send_multipart([identity, b"h" * 29, vectors], copy=False)
+
+
+def zmq_round_trip(rounds: int = 20000, dims: int = 384) -> dict[str, float]:
+    """One SUBMIT of 32 rows (ids) and its RESULT of 32 x 384 floats over ipc, engine side echoing."""
+    address = f"ipc:///tmp/bench-front-{os.getpid()}.sock"
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=_router, args=(address, dims), daemon=True)
+    process.start()
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(address)
+    lengths, ids = np.full(32, 16, np.int32), np.zeros(512, np.int32)
+    for _ in range(1000):
+        sock.send_multipart([b"h" * 25, lengths, ids], copy=False)
+        sock.recv_multipart()
+    assert process.pid is not None
+    cpu0, wall0 = tree_cpu_seconds(process.pid) + time.process_time(), time.perf_counter()
+    for _ in range(rounds):
+        sock.send_multipart([b"h" * 25, lengths, ids], copy=False)
+        sock.recv_multipart()
+    wall = time.perf_counter() - wall0
+    cpu = tree_cpu_seconds(process.pid) + time.process_time() - cpu0
+    process.kill()
+    return {"round_trip_us": wall / rounds * 1e6, "cpu_us_both_sides": cpu / rounds * 1e6}
+
+
+def capacity_table(rows: list[Capacity]) -> str:
+    lines = [
+        "| setup | inputs/req | requests/s | sentences/s | server CPU us/request | us/sentence | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.setup} | {r.inputs_per_request} | {r.requests_per_s:,.0f} | {r.sentences_per_s:,.0f} | "
+            f"{r.cpu_us_per_request:,.0f} | {r.cpu_us_per_sentence:,.1f} | {r.errors} |"
+        )
+    return "\n".join(lines)
+
+
+def real_model(model_dir: Path, texts: list[str], seconds: float, repeats: int) -> str:
+    from bench_server import best_of, run_server_levels
+
+    ceilings = ceiling(model_dir, texts, repeats)
+    base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
+    plan = [(1, 1), (64, 1), (1, 32), (64, 32)]
+    series: dict[str, list[list[Row]]] = {}
+    setups = {
+        "server, 1 front": [*base, "--front-processes", "1"],
+        "server, 2 fronts": [*base, "--front-processes", "2"],
+        "server, max batch 1": [*base, "--max-batch-size", "1"],
+    }
+    for _ in range(repeats):
+        for setup, flags in setups.items():
+            levels = plan if "batch 1" not in setup else [(1, 1), (64, 1)]
+            series.setdefault(setup, []).append(run_server_levels(setup, flags, texts, levels, seconds))
+    rows = [row for runs in series.values() for row in best_of(runs)]
+    unbatched = {r.concurrency: r.tokens_per_s for r in rows if r.setup == "server, max batch 1"}
+    return table(rows, ceilings, unbatched)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=Path("build/model"))
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--seconds", type=float, default=6.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip-real-model", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("build/bench/front.json"))
+    args = p.parse_args()
+    texts = sentences(args.data_dir)
+    trip = zmq_round_trip()
+    rows = grpc_floor(texts, args.seconds)
+    for fronts in (1, 2):
+        rows += stand_in(args.model_dir, fronts, texts, args.seconds)
+    print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}\n")
+    print(capacity_table(rows))
+    report: dict[str, object] = {"zmq": trip, "capacity": [asdict(r) for r in rows]}
+    if not args.skip_real_model:
+        real = real_model(args.model_dir, texts, args.seconds, args.repeats)
+        print("\n" + real)
+        report["real_model_markdown"] = real
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

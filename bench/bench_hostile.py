@@ -1,0 +1,196 @@
+"""Valid but hostile input: the largest requests the limits allow, from 16 callers at once.
+
+    python bench/bench_hostile.py [--model-dir build/model]
+
+For each kind of flood (Embed of 80 texts of 100 kB, Tokenize of the same, EmbedStream items of
+8 such texts, Embed of 256 inputs of 256 token ids): the answers' status codes, the server's
+resident memory (all its processes) idle, at peak and 10 s after the load, and the latency of a
+short Tokenize probe sent every 100 ms from a thread of its own. Issue 14's targets: only OK or
+RESOURCE_EXHAUSTED, peak < 2x idle, after < 1.1x idle, probe p99 < 100 ms. Not a test yet: the
+first two Embed/Tokenize floods miss the peak and probe targets (see README, "Hostile input").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proto.embedding.v1 import embedding_pb2 as pb
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.reliability.probes import rss_bytes
+from tests.server_process import ServerProcess, serving
+
+CALLERS = 16
+MAX_TEXT = 100_000
+TEXTS_PER_CALL = 80  # 80 x 100 kB: just within the 8 MiB message limit
+SECONDS = 30.0
+# A short queue: the model's backlog (and so the test's length) stays seconds, and excess work is
+# refused at once as it would be in production under such a flood.
+FLAGS = ("--queue-limit", "320")
+WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "tempor"]
+
+
+def long_text(seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, size=MAX_TEXT // 5))[:MAX_TEXT]
+
+
+TEXTS = [long_text(i) for i in range(TEXTS_PER_CALL)]  # made once: the load generator must not stall
+
+
+Call = Callable[[Any], Awaitable[Any]]
+
+
+EMBED = pb.EmbedRequest(texts=TEXTS)
+TOKENIZE = pb.TokenizeRequest(texts=TEXTS)
+STREAM = [
+    pb.EmbedStreamRequest(id=str(i), request=pb.EmbedRequest(texts=TEXTS[8 * i : 8 * i + 8]))
+    for i in range(8)
+]
+IDS = pb.EmbedRequest(
+    token_ids=[
+        pb.TokenIds(ids=np.random.default_rng(i).integers(1000, 30000, 256).tolist()) for i in range(256)
+    ]
+)
+
+
+def embed_texts(stub: Any) -> Awaitable[Any]:
+    return stub.Embed(EMBED, timeout=120)
+
+
+def tokenize_texts(stub: Any) -> Awaitable[Any]:
+    return stub.Tokenize(TOKENIZE, timeout=120)
+
+
+async def stream_texts(stub: Any) -> Any:
+    answers = [a async for a in stub.EmbedStream(iter(STREAM), timeout=120)]
+    codes = {a.error.code for a in answers if a.WhichOneof("result") == "error"}
+    if codes - {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}:
+        raise AssertionError(f"a stream item failed otherwise than RESOURCE_EXHAUSTED: {codes}")
+    return answers
+
+
+def embed_ids(stub: Any) -> Awaitable[Any]:
+    return stub.Embed(IDS, timeout=120)
+
+
+async def flood(address: str, call: Call, seconds: float) -> tuple[Counter[str], list[float]]:
+    """CALLERS callers repeating `call` for `seconds`, and a Tokenize probe every 100 ms."""
+    codes: Counter[str] = Counter()
+    probes: list[float] = []
+    stop_at = time.monotonic() + seconds
+    options = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+    async def caller(channel: Any) -> None:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        while time.monotonic() < stop_at:
+            try:
+                await call(stub)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as e:
+                codes[e.code().name] += 1
+
+    def probe() -> None:  # a thread of its own: the flood's event loop must not delay it
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.EmbeddingServiceStub(channel)
+            while time.monotonic() < stop_at:
+                started = time.monotonic()
+                try:
+                    stub.Tokenize(pb.TokenizeRequest(texts=["a short probe sentence"]), timeout=10)
+                    codes["probe OK"] += 1
+                except grpc.RpcError as e:  # refused at once is an answer too
+                    codes[f"probe {e.code().name}"] += 1
+                probes.append(time.monotonic() - started)
+                time.sleep(max(0.0, 0.1 - (time.monotonic() - started)))
+
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(4)]
+    try:
+        await asyncio.gather(asyncio.to_thread(probe), *(caller(channels[i % 4]) for i in range(CALLERS)))
+    finally:
+        for channel in channels:
+            await channel.close()
+    return codes, probes
+
+
+def settled_rss(process: ServerProcess, seconds: float = 10.0) -> float:
+    """The median of the server's resident memory over a few quiet seconds."""
+    samples = []
+    for _ in range(int(seconds / 0.5)):
+        samples.append(rss_bytes(process.proc.pid))
+        time.sleep(0.5)
+    return float(np.median(samples))
+
+
+KINDS = [
+    ("Embed, 80 texts of 100 kB", embed_texts, SECONDS),
+    ("Tokenize, 80 texts of 100 kB", tokenize_texts, SECONDS / 3),
+    ("EmbedStream, 8 items of 8 texts of 100 kB", stream_texts, SECONDS / 3),
+    ("Embed, 256 inputs of 256 token ids", embed_ids, SECONDS / 3),
+]
+
+
+def one_flood(server: ServerProcess, kind: str, call: Call, seconds: float) -> dict[str, Any]:
+    idle = settled_rss(server, 3.0)
+    peak = [idle]
+
+    async def scenario() -> tuple[Counter[str], list[float]]:
+        async def sample() -> None:
+            while True:
+                peak.append(float(rss_bytes(server.proc.pid)))
+                await asyncio.sleep(0.25)
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            return await flood(server.address, call, seconds)
+        finally:
+            sampler.cancel()
+
+    codes, probes = asyncio.run(scenario())
+    after = settled_rss(server)
+    return {
+        "kind": kind,
+        "calls": dict(codes),
+        "idle_mib": round(idle / 2**20),
+        "peak_mib": round(max(peak) / 2**20),
+        "after_mib": round(after / 2**20),
+        "probe_p50_ms": round(float(np.median(probes)) * 1000, 1),
+        "probe_p99_ms": round(float(np.percentile(probes, 99)) * 1000, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=Path("build/model"))
+    p.add_argument("--out", type=Path, default=Path("build/bench/hostile.json"))
+    args = p.parse_args()
+    rows = []
+    with serving(*FLAGS, "--model-dir", str(args.model_dir)) as server:
+        for kind, call, seconds in KINDS:
+            rows.append(one_flood(server, kind, call, seconds))
+            print(rows[-1], file=sys.stderr)
+    print("| flood | calls | idle MiB | peak MiB | after MiB | probe p50 ms | probe p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        calls = ", ".join(f"{k} {v}" for k, v in r["calls"].items())
+        print(
+            f"| {r['kind']} | {calls} | {r['idle_mib']} | {r['peak_mib']} | {r['after_mib']} | "
+            f"{r['probe_p50_ms']} | {r['probe_p99_ms']} |"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The model repository's format: the one contract between `python -m export` and the server.
+
+A repository is a directory holding the ONNX graphs, tokenizer.json and manifest.json. The manifest
+is the typed, versioned `Manifest` below: export builds one and writes `to_dict()`, the server reads it
+with `open_repository`, which checks `manifest_version` first and every graph's sha256 after. The
+names the graphs are called by (inputs, outputs, execution providers) are defined here too.
+
+Torch-free on purpose: the serving image has no torch (tests/test_serving_without_torch.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from model.checksum import sha256_file
+from model.config import EncoderConfig
+
+# Bump when a reader of the previous version would misread the new one; readers refuse any other.
+MANIFEST_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+FP32_FILE = "model.onnx"
+INT8_FILE = "model.int8.onnx"
+
+# The graph's inputs and outputs: ids (B, T) and lengths (B,) in; normalised and raw pooled (B, D) out.
+INPUT_IDS = "input_ids"
+LENGTHS = "lengths"
+EMBEDDINGS = "embeddings"
+POOLED = "pooled"
+INPUTS = {INPUT_IDS: "int64 [batch, sequence]", LENGTHS: "int64 [batch]"}
+OUTPUTS = {EMBEDDINGS: "float32 [batch, dim], L2-normalised", POOLED: "float32 [batch, dim]"}
+
+CPU_PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+Precision = Literal["fp32", "fp16", "int8"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "fp16", "int8")
+
+
+class ModelRepositoryError(Exception):
+    """The model directory is missing, incomplete or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One ONNX graph the repository ships, and the provider it is meant for."""
+
+    provider: str
+    file: str
+    precision: Precision
+    graph: str  # how it was made, for people
+    disabled_optimizers: tuple[str, ...]  # ORT runtime fusions to switch off for this graph
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(dataclasses.asdict(self), disabled_optimizers=list(self.disabled_optimizers))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Graph:
+        precision = _get(d, "precision", str)
+        if precision not in PRECISIONS:
+            raise ModelRepositoryError(f"graph precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        return cls(
+            provider=_get(d, "provider", str),
+            file=_get(d, "file", str),
+            precision=cast(Precision, precision),
+            graph=_get(d, "graph", str),
+            disabled_optimizers=tuple(_get(d, "disabled_optimizers", list)),
+            sha256=_get(d, "sha256", str),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: where the weights came from, the encoder's config, the graphs, the gate's figures."""
+
+    model_id: str
+    source: str
+    weights_sha256: str
+    onnx_sha256: str  # of the fp32 graph
+    config: EncoderConfig
+    opset: int
+    ir_version: int
+    graphs: tuple[Graph, ...]
+    versions: Mapping[str, str]  # of the packages that built it
+    parity: Mapping[str, Any]  # the gate's report (export/parity.py)
+    parity_int8: Mapping[str, Any]
+    manifest_version: int = MANIFEST_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document; fields derived from the config are written out for people and tools."""
+        return {
+            "manifest_version": self.manifest_version,
+            "model_id": self.model_id,
+            "source": self.source,
+            "weights_sha256": self.weights_sha256,
+            "onnx_sha256": self.onnx_sha256,
+            "config": self.config.to_dict(),
+            "dimensions": self.config.hidden_size,
+            "max_input_tokens": self.config.max_seq_length,
+            "pooling": self.config.pooling,
+            "normalize": self.config.normalize,
+            "opset": self.opset,
+            "ir_version": self.ir_version,
+            "inputs": INPUTS,
+            "outputs": OUTPUTS,
+            "graphs": [g.to_dict() for g in self.graphs],
+            "versions": dict(self.versions),
+            "parity": dict(self.parity),
+            "parity_int8": dict(self.parity_int8),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Manifest:
+        """Check the version before anything else: another version's fields may mean other things."""
+        version = d.get("manifest_version")
+        if version != MANIFEST_VERSION:
+            raise ModelRepositoryError(
+                f"manifest_version {version}, but this code reads manifest_version {MANIFEST_VERSION}; "
+                + ("rebuild the repository with `make model`" if _older(version) else "upgrade this code")
+            )
+        try:
+            config = EncoderConfig.from_dict(_get(d, "config", dict))
+        except (TypeError, ValueError) as e:
+            raise ModelRepositoryError(f"config: {e}") from None
+        manifest = cls(
+            model_id=_get(d, "model_id", str),
+            source=_get(d, "source", str),
+            weights_sha256=_get(d, "weights_sha256", str),
+            onnx_sha256=_get(d, "onnx_sha256", str),
+            config=config,
+            opset=_get(d, "opset", int),
+            ir_version=_get(d, "ir_version", int),
+            graphs=tuple(Graph.from_dict(g) for g in _get(d, "graphs", list)),
+            versions=_get(d, "versions", dict),
+            parity=_get(d, "parity", dict),
+            parity_int8=_get(d, "parity_int8", dict),
+        )
+        manifest.check_derived(d)
+        return manifest
+
+    def check_derived(self, d: Mapping[str, Any]) -> None:
+        """The fields written for people must agree with what the reader derives from the config."""
+        derived = self.to_dict()
+        for key in ("dimensions", "max_input_tokens", "pooling", "normalize", "inputs", "outputs"):
+            if d.get(key) != derived[key]:
+                raise ModelRepositoryError(f"{key} is {d.get(key)!r}, but this code derives {derived[key]!r}")
+
+
+def _older(version: object) -> bool:
+    return not isinstance(version, int) or version < MANIFEST_VERSION
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ModelRepositoryError(f"field {key!r} is {value!r}, expected {kind.__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelRepository:
+    """An opened repository: its directory and its checked manifest."""
+
+    directory: Path
+    manifest: Manifest
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.manifest.config.max_seq_length
+
+    @property
+    def dimensions(self) -> int:
+        return self.manifest.config.hidden_size
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.directory / TOKENIZER_FILE
+
+    def path(self, graph: Graph) -> Path:
+        return self.directory / graph.file
+
+    def graph_for(self, provider: str, precision: str) -> Graph:
+        """The graph shipped for this provider: the asked precision, else the first listed for it."""
+        graphs = [g for g in self.manifest.graphs if g.provider == provider] or [
+            g for g in self.manifest.graphs if g.provider == CPU_PROVIDER
+        ]
+        if precision == "auto":
+            return graphs[0]
+        for g in graphs:
+            if g.precision == precision:
+                return g
+        shipped = ", ".join(sorted({g.precision for g in graphs}))
+        raise ModelRepositoryError(
+            f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped}); "
+            "int8 is built by `python -m export --data-dir ...`"
+        )
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """manifest.json, version-checked and typed; every problem is one line naming the file."""
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        raise ModelRepositoryError(f"{path}: missing; build the model repository with `make model`")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelRepositoryError(f"{path}: not JSON ({e})") from None
+    if not isinstance(document, dict):
+        raise ModelRepositoryError(f"{path}: not a JSON object")
+    try:
+        return Manifest.from_dict(document)
+    except ModelRepositoryError as e:
+        raise ModelRepositoryError(f"{path}: {e}") from None
+
+
+def open_repository(directory: Path) -> ModelRepository:
+    """Read manifest.json and verify every graph's checksum against it."""
+    repo = ModelRepository(directory, read_manifest(directory))
+    for graph in repo.manifest.graphs:
+        file = repo.path(graph)
+        if not file.is_file():
+            raise ModelRepositoryError(f"{file}: missing")
+        actual = sha256_file(file)
+        if actual != graph.sha256:
+            raise ModelRepositoryError(f"{file}: sha256 {actual} does not match manifest {graph.sha256}")
+    return repo

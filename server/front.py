@@ -1,0 +1,272 @@
+"""A front process: the gRPC server (validation, tokenization, responses) over the one engine.
+
+Several fronts serve one port (SO_REUSEPORT: the kernel spreads connections over them). Each listens
+at once with health NOT_SERVING, says HELLO to the engine, and serves once the engine answers that
+it is warm. SIGTERM drains it: NOT_SERVING at once, a moment for clients' health watches to move
+new calls elsewhere, then accepted calls finish within the drain timeout. If the engine process
+ends, every waiting call gets UNAVAILABLE at once and the front exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import gc
+import logging
+import multiprocessing
+import os
+import platform
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import grpc
+import onnxruntime
+import tokenizers
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from model.repository import TOKENIZER_FILE, Manifest, read_manifest
+from model.tokenizer import Tokenizer
+from proto.embedding.v1 import embedding_pb2 as pb
+from server import __version__, protocol
+from server.config import ServerConfig
+from server.health import SERVICE_NAME, new_health
+from server.metrics import Metrics
+from server.readiness import Readiness
+from server.security import BearerAuth, load_token, server_credentials
+from server.service import EmbeddingService, register
+from server.tokenization import InputLimits, RequestTokenizer, TokenizingBudget
+from server.transport import EngineClient
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_NOTICE_S = 1.0
+ENGINE_GONE = "the engine process stopped; the server is restarting"
+_POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
+_PRECISION = {"fp32": pb.PRECISION_FP32, "fp16": pb.PRECISION_FP16, "int8": pb.PRECISION_INT8}
+
+
+@dataclass
+class Front:
+    config: ServerConfig
+    server: grpc.aio.Server
+    port: int
+    service: EmbeddingService
+    engine: EngineClient
+    readiness: Readiness
+    manifest: Manifest
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    age_ms = int(config.max_connection_age_s * 1000)
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        # Closing connections at a maximum age makes clients re-resolve DNS and spread over new pods.
+        ("grpc.max_connection_age_ms", age_ms),
+        ("grpc.max_connection_age_grace_ms", int(config.drain_timeout_s * 1000)),
+        # Every front binds the same port; the supervisor holds it reserved (see app.py).
+        ("grpc.so_reuseport", 1),
+    ]
+
+
+def build_info(
+    config: ServerConfig, manifest: Manifest, facts: protocol.EngineFacts, vocab: int
+) -> pb.InfoResponse:
+    limits = pb.Limits(
+        max_inputs_per_request=config.max_inputs_per_request,
+        max_input_tokens=manifest.config.max_seq_length,
+        max_text_chars=config.max_text_chars,
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_size=config.max_batch_size,
+        max_queue_delay_us=int(config.max_queue_delay_ms * 1000),
+        queue_limit=config.queue_limit,
+        max_message_bytes=config.max_message_bytes,
+        max_stream_in_flight=config.max_stream_in_flight,
+    )
+    versions = {
+        "server": __version__,
+        "onnxruntime": onnxruntime.__version__,
+        "grpcio": grpc.__version__,
+        "tokenizers": tokenizers.__version__,
+        "python": platform.python_version(),
+    }
+    return pb.InfoResponse(
+        model_id=manifest.model_id,
+        weights_sha256=manifest.weights_sha256,
+        onnx_sha256=manifest.onnx_sha256,
+        dimensions=manifest.config.hidden_size,
+        max_input_tokens=manifest.config.max_seq_length,
+        vocab_size=vocab,
+        pooling=_POOLING[manifest.config.pooling],
+        normalize_default=True,
+        precision=_PRECISION[facts.precision],
+        execution_provider=facts.provider,
+        limits=limits,
+        versions=versions,
+        model_instances=facts.instances,
+        threads_per_instance=facts.threads,
+    )
+
+
+def create_front(config: ServerConfig, index: int, address: str, engine_address: str, depth: Any) -> Front:
+    """Build one front's gRPC server bound to `address` (not yet started; port 0 picks a free port)."""
+    metrics = Metrics()
+    manifest = read_manifest(config.model_dir)
+    max_tokens = manifest.config.max_seq_length
+    tokenizer = Tokenizer(config.model_dir / TOKENIZER_FILE, max_tokens)
+    limits = InputLimits(config.max_inputs_per_request, max_tokens, config.max_text_chars)
+    engine = EngineClient(
+        engine_address, index, manifest.config.hidden_size, config.queue_limit, depth, metrics
+    )
+    health = new_health()
+    readiness = Readiness(health, metrics)
+    service = EmbeddingService(
+        RequestTokenizer(tokenizer, limits),
+        engine,
+        pb.InfoResponse(),
+        metrics,
+        readiness,
+        config.max_stream_in_flight,
+        TokenizingBudget(config.max_tokenizing_chars),
+    )
+    token = load_token(config.auth_token, config.auth_token_file)
+    interceptors = [BearerAuth(token, metrics)] if token else []
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
+    register(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
+    )
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    return Front(config, server, port, service, engine, readiness, manifest)
+
+
+async def start(front: Front) -> protocol.EngineFacts:
+    """Listen at once (health answers NOT_SERVING), wait for the engine to be warm, then serve."""
+    await front.readiness.not_serving("the model is warming up")
+    await front.server.start()
+    front.engine.connect()
+    facts = await front.engine.hello()
+    vocab = front.service.tokenizer.vocab_size
+    front.service.info = build_info(front.config, front.manifest, facts, vocab)
+    await front.readiness.serving()
+    return facts
+
+
+async def drain(front: Front, reason: str = "the server is shutting down") -> None:
+    """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls."""
+    await front.readiness.not_serving(reason)
+    # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
+    # clients' health watches get a moment to move new calls elsewhere first.
+    await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
+    await front.server.stop(front.config.drain_timeout_s)
+
+
+RECLAIM_EVERY_S = 1.0
+RECLAIM_AFTER_CHARS = 32 << 20
+
+
+async def reclaim_memory(service: EmbeddingService) -> None:
+    """A full garbage collection, then glibc's malloc_trim: after every 32 M characters of text
+    received, and once the text stops coming.
+
+    Large requests end up in reference cycles inside grpc.aio's call handling (a refused 8 MB
+    request is one), which only the cyclic collector frees, and it runs by object counts, blind to
+    megabytes: a flood of 16 callers' refused 8 MB requests held 200+ MB more after each flood
+    until this ran.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    trim = getattr(libc, "malloc_trim", None)  # glibc only
+    reclaimed = previous = service.text_chars_seen
+    while True:
+        await asyncio.sleep(RECLAIM_EVERY_S)
+        now = service.text_chars_seen
+        if now - reclaimed >= RECLAIM_AFTER_CHARS or (now == previous != reclaimed):
+            reclaimed = now
+            gc.collect()
+            if trim is not None:  # off the event loop: ctypes releases the GIL during the call
+                await asyncio.to_thread(trim, 0)
+        previous = now
+
+
+def watch_process(pid: int, on_exit: Any) -> None:
+    """Call `on_exit` on the event loop the moment process `pid` ends (a pidfd; Linux >= 5.3)."""
+    fd = os.pidfd_open(pid)
+    loop = asyncio.get_running_loop()
+
+    def ended() -> None:
+        loop.remove_reader(fd)
+        on_exit()
+
+    loop.add_reader(fd, ended)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a front process stands: its index, the address it serves, the engine it talks to."""
+
+    index: int
+    address: str
+    engine_address: str
+    engine_pid: int
+    depth: Any  # the engine's published queue depth (a shared value)
+    events: Connection  # to the supervisor
+
+
+async def serve_front(config: ServerConfig, place: Place) -> int:
+    index = place.index
+    front = create_front(config, index, place.address, place.engine_address, place.depth)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    outcome = {"code": 0}
+
+    def engine_gone() -> None:
+        log.error("front %d: %s", index, ENGINE_GONE)
+        front.engine.engine_gone(ENGINE_GONE)
+        outcome["code"] = 1
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    watch_process(place.engine_pid, engine_gone)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        loop.add_reader(parent.sentinel, stop.set)  # the supervisor is gone: stop too
+    reclaiming = asyncio.create_task(reclaim_memory(front.service))
+    starting = asyncio.create_task(start(front))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and starting.exception() is None:
+        place.events.send(("serving", index, front.port))
+        await stopping
+    starting.cancel()
+    reclaiming.cancel()
+    await drain(front, ENGINE_GONE if outcome["code"] else "the server is shutting down")
+    return outcome["code"]
+
+
+def run_front(config: ServerConfig, place: Place) -> None:
+    """A front process's main (multiprocessing target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    configure_logging(config)
+    try:
+        code = asyncio.run(serve_front(config, place))
+    except Exception as e:  # a setting or file that cannot be used: the supervisor reports it
+        place.events.send(("error", str(e)))
+        raise SystemExit(2) from None
+    raise SystemExit(code)
+
+
+def configure_logging(config: ServerConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
+    )

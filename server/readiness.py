@@ -1,0 +1,37 @@
+"""Whether a front serves, and why not: the one owner of health, the ready gauge and refusals.
+
+NOT_SERVING (grpc.health.v1, for "" and the embedding service by name) until the engine says it is
+warm, and again from the first moment of a drain or once the engine is gone; while not serving,
+embedding calls get UNAVAILABLE naming the reason, which the client library retries elsewhere.
+"""
+
+from __future__ import annotations
+
+from grpc_health.v1 import health
+
+from server.errors import NotReady
+from server.health import set_serving
+from server.metrics import Metrics
+
+
+class Readiness:
+    def __init__(self, health_servicer: health.aio.HealthServicer, metrics: Metrics) -> None:
+        self.health = health_servicer
+        self.metrics = metrics
+        self.ready = False
+        self.reason = "the model is warming up"
+
+    def check(self) -> None:
+        if not self.ready:
+            raise NotReady(f"not serving: {self.reason}; retry")
+
+    async def serving(self) -> None:
+        self.ready = True
+        self.metrics.ready.set(1)
+        await set_serving(self.health, True)
+
+    async def not_serving(self, reason: str) -> None:
+        self.ready = False
+        self.reason = reason
+        self.metrics.ready.set(0)
+        await set_serving(self.health, False)

@@ -1,0 +1,119 @@
+"""The front's side of the engine connection: one ZeroMQ DEALER socket shared by every call.
+
+Each call sends SUBMIT and awaits its RESULT by request id; a call that is cancelled (its caller
+went away or its deadline passed) sends CANCEL so the engine drops its inputs before compute. When
+the engine process ends, every waiting call fails at once with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import zmq
+
+from server import protocol
+from server.batcher import check_capacity
+from server.errors import NotReady, Overloaded, ServiceError
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {cls.code.value[0]: cls for cls in ServiceError.__subclasses__()}
+
+
+@dataclass(frozen=True)
+class Answer:
+    vectors: np.ndarray  # (n, D) float32
+    queue_us: int
+    inference_us: int
+
+
+def error_for(status: int, message: str) -> ServiceError:
+    """The ServiceError a RESULT's gRPC status number stands for (its code, its message)."""
+    cls = _ERRORS.get(status)
+    if cls is None:
+        error = ServiceError(message)
+        error.code = next(c for c in grpc.StatusCode if c.value[0] == status)
+        return error
+    return cls(message)
+
+
+@dataclass
+class EngineClient:
+    address: str
+    front: int
+    dimensions: int
+    queue_limit: int
+    depth: Any  # shared value: the engine's queue depth, read for admission before tokenizing
+    metrics: Any
+    gone: str = ""  # why the engine can no longer answer, once it cannot
+    _pending: dict[int, asyncio.Future[protocol.Result]] = field(default_factory=dict)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+    _ready: asyncio.Future[protocol.EngineFacts] | None = None
+
+    def connect(self) -> None:
+        self._context = zmq.Context()
+        sock = self._context.socket(zmq.DEALER)
+        sock.connect(self.address)
+        self._channel = protocol.Channel(sock, self._receive)
+        self._ready = asyncio.get_running_loop().create_future()
+
+    async def hello(self) -> protocol.EngineFacts:
+        """Wait until the engine is warm; returns what it says about itself."""
+        assert self._ready is not None, "connect() first"
+        self._channel.send(protocol.hello(self.front))
+        return await self._ready
+
+    def check_capacity(self, count: int) -> None:
+        """Admission before tokenizing, against the engine's published queue depth."""
+        try:
+            check_capacity(int(self.depth.value), count, self.queue_limit)
+        except Overloaded:
+            self.metrics.refused.inc()
+            raise
+
+    async def embed(
+        self, lengths: np.ndarray, ids: np.ndarray, deadline: float | None, normalize: bool
+    ) -> Answer:
+        if self.gone:
+            raise NotReady(self.gone)
+        request_id = next(self._ids)
+        future: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            self._channel.send(protocol.submit(request_id, deadline, normalize, lengths, ids))
+            result = await future
+        except asyncio.CancelledError:
+            if not self.gone:
+                self._channel.send(protocol.cancel(request_id))
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+        if result.status != protocol.OK:
+            raise error_for(result.status, result.message)
+        assert result.vectors is not None
+        return Answer(result.vectors, result.queue_us, result.inference_us)
+
+    def engine_gone(self, reason: str) -> None:
+        """Every waiting call and every later one gets UNAVAILABLE naming the reason."""
+        self.gone = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(NotReady(reason))
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(NotReady(reason))
+
+    def _receive(self, frames: list[bytes]) -> None:
+        if protocol.kind(frames) == protocol.READY:
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(protocol.parse_ready(frames))
+            return
+        result = protocol.parse_result(frames, self.dimensions)
+        future = self._pending.get(result.request_id)
+        if future is not None and not future.done():
+            future.set_result(result)

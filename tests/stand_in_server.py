@@ -1,0 +1,87 @@
+"""Test and benchmark entry points: the real server (supervisor, fronts, engine, batcher) over a model
+run that is not the production one. Nothing in `python -m server` can start these.
+
+    python -m tests.stand_in_server instant <server flags>      # an instant stand-in model (bench/)
+    python -m tests.stand_in_server fault TEXT <server flags>   # the real model; a batch holding TEXT fails
+
+The fault server also holds (sleeps HOLD_S in) any batch holding HOLD_TEXT: a test that needs inputs
+to wait in the queue first keeps a model instance busy with it (an idle server runs a lone input at
+once, without waiting for company).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+
+import numpy as np
+
+from model.tokenizer import Tokenizer
+from server.__main__ import main
+from server.backend import ModelRepository
+from server.config import ServerConfig
+from server.engine import Backend, onnx_backend
+
+
+class InstantBackend:
+    """Answers every batch at once with unit vectors: what is left of the server's cost when the
+    model costs nothing (a fast GPU comes close). Measures the front end's capacity, nothing else."""
+
+    provider = "CPUExecutionProvider"
+    precision = "fp32"
+    threads = 1
+
+    def __init__(self, config: ServerConfig, repo: ModelRepository) -> None:
+        self.dimensions = repo.dimensions
+        self.instances = config.model_instances or 1
+        started = time.perf_counter()
+        self.load_seconds = time.perf_counter() - started
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        vectors = np.zeros((ids.shape[0], self.dimensions), dtype=np.float32)
+        vectors[:, 0] = 1.0
+        return vectors, vectors
+
+
+HOLD_TEXT = "this exact text holds its batch for a few seconds"
+HOLD_S = 4.0
+
+
+def _holds(ids: np.ndarray, lengths: np.ndarray, wanted: list[int]) -> bool:
+    n = len(wanted)
+    return any(length == n and row[:n].tolist() == wanted for row, length in zip(ids, lengths, strict=True))
+
+
+class FaultyBackend:
+    """The real backend, except that a batch holding the fault input's exact ids fails, and one
+    holding the hold input's ids first sleeps HOLD_S."""
+
+    def __init__(self, real: Backend, fault_ids: list[int], hold_ids: list[int]) -> None:
+        self.real = real
+        self.fault_ids = fault_ids
+        self.hold_ids = hold_ids
+        self.provider, self.precision = real.provider, real.precision
+        self.instances, self.threads, self.load_seconds = real.instances, real.threads, real.load_seconds
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if _holds(ids, lengths, self.fault_ids):
+            raise RuntimeError("injected backend fault")
+        if _holds(ids, lengths, self.hold_ids):
+            time.sleep(HOLD_S)
+        return self.real.run(ids, lengths)
+
+
+def faulty_backend(fault_text: str, config: ServerConfig, repo: ModelRepository) -> Backend:
+    tokenizer = Tokenizer(repo.tokenizer_file, repo.max_input_tokens)
+    fault, hold = tokenizer.encode([fault_text, HOLD_TEXT]).ids
+    return FaultyBackend(onnx_backend(config, repo), fault, hold)
+
+
+if __name__ == "__main__":
+    kind, rest = sys.argv[1], sys.argv[2:]
+    if kind == "instant":
+        sys.exit(main(rest, InstantBackend))
+    if kind == "fault":
+        sys.exit(main(rest[1:], functools.partial(faulty_backend, rest[0])))
+    sys.exit(f"usage: {__doc__}")

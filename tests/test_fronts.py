@@ -1,0 +1,169 @@
+"""The server as processes: several fronts on one port over one engine, end to end with the real model.
+
+What each test holds true is what a user of a multi-process server relies on: every front serves
+the same vectors, /metrics counts every process's calls once, a front that dies comes back, the
+engine's death is answered at once and ends the server non-zero, SIGTERM drains every front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.reference import Reference
+from tests.server_process import ServerProcess, serving, start_server, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
+FRONTS = 2
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def two_fronts() -> Iterator[ServerProcess]:
+    with serving("--front-processes", str(FRONTS)) as process:
+        yield process
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def counter(process: ServerProcess, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read()
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+async def embed_on_fresh_connections(address: str, texts: list[str], at_once: int) -> list[np.ndarray]:
+    """Each text on a connection of its own, `at_once` at a time: the kernel spreads connections (not
+    calls) over the fronts. Channels share connections unless they keep a local subchannel pool."""
+    slots = asyncio.Semaphore(at_once)
+
+    async def one(text: str) -> np.ndarray:
+        async with slots:
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(address, options=options) as channel:
+                stub = pb_grpc.EmbeddingServiceStub(channel)
+                return to_array(await stub.Embed(embed_request([text]), timeout=60))
+
+    return await asyncio.gather(*(one(t) for t in texts))
+
+
+def test_every_front_serves_the_same_vectors_and_metrics_count_each_call_once(two_fronts, reference):
+    fronts = two_fronts.front_pids()
+    assert len(fronts) == FRONTS
+    before = {pid: cpu_seconds(pid) for pid in fronts}
+    texts = [SHORT[i % len(SHORT)] for i in range(200)]
+    ok_before = counter(two_fronts, "embed_requests_total", method="Embed", code="OK")
+    got = np.concatenate(asyncio.run(embed_on_fresh_connections(two_fronts.address, texts, 16)))
+    cosines = np.sum(got * reference.embed(texts), axis=1)
+    assert cosines.min() >= 0.99999
+    busy = [pid for pid in fronts if cpu_seconds(pid) - before[pid] > 0.05]
+    assert busy == fronts, "a front served no calls"
+    assert counter(two_fronts, "embed_requests_total", method="Embed", code="OK") - ok_before == 200
+    assert counter(two_fronts, "embed_ready") == 1
+
+
+def test_a_front_that_dies_is_started_again_and_calls_go_on(two_fronts, reference):
+    victim = two_fronts.front_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    restarted = wait_for(
+        lambda: len(two_fronts.front_pids()) == FRONTS and victim not in two_fronts.front_pids(), timeout=60
+    )
+    assert restarted, (
+        f"fronts now {two_fronts.front_pids()}, killed {victim}:\n{''.join(two_fronts.lines[-8:])}"
+    )
+    assert wait_for(lambda: any("starting it again" in line for line in two_fronts.lines))
+    # Until then the new front says NOT_SERVING, and a client whose connection it took waits.
+    assert wait_for(lambda: any("serving again" in line for line in two_fronts.lines), timeout=60)
+    assert counter(two_fronts, "embed_ready") == 1
+    texts = SHORT[:40]
+    with EmbeddingClient(two_fronts.address, timeout=60) as c:
+        got = np.concatenate([c.embed([t]) for t in texts])
+    assert np.sum(got * reference.embed(texts), axis=1).min() >= 0.99999
+    assert two_fronts.proc.poll() is None
+
+
+def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model_dir):
+    process = start_server("--front-processes", "1", "--max-batch-size", "1").wait_serving()
+    try:
+        assert process.engine_pid is not None
+        outcome: dict[str, object] = {}
+        long_request = embed_request([" ".join(SHORT)] * 200)  # seconds of work, one input at a time
+
+        def call() -> None:
+            with grpc.insecure_channel(process.address) as channel:  # no retries: the first answer
+                try:
+                    pb_grpc.EmbeddingServiceStub(channel).Embed(long_request, timeout=60)
+                    outcome["code"] = grpc.StatusCode.OK
+                except grpc.RpcError as e:
+                    outcome["code"], outcome["details"] = e.code(), e.details()
+                outcome["at"] = time.monotonic()
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(1.0)  # the request is queued and computing
+        killed = time.monotonic()
+        os.kill(process.engine_pid, signal.SIGKILL)
+        caller.join(30)
+        assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
+        assert "engine" in str(outcome["details"])
+        assert float(outcome["at"]) - killed < 1.0  # at once, not at the call's deadline
+        assert process.wait(30) == 1
+        assert any("engine process exited" in line for line in process.lines)
+    finally:
+        process.stop()
+
+
+def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(reference):
+    process = start_server("--front-processes", str(FRONTS)).wait_serving()
+    texts = [SHORT[i % len(SHORT)] for i in range(64)]
+    results: list[object] = []
+
+    async def load() -> None:
+        async def one(text: str) -> None:
+            async with AsyncEmbeddingClient(process.address, timeout=60) as c:
+                try:
+                    results.append((text, await c.embed([text] * 8)))
+                except grpc.RpcError as e:
+                    results.append((text, e))
+
+        await asyncio.gather(*(one(t) for t in texts))
+
+    loader = threading.Thread(target=lambda: asyncio.run(load()))
+    loader.start()
+    time.sleep(0.5)
+    process.terminate()
+    loader.join(60)
+    assert process.wait(60) == 0
+    answered = [(t, r) for t, r in results if isinstance(r, np.ndarray)]
+    refused = [r for _, r in results if isinstance(r, grpc.RpcError)]
+    assert len(answered) + len(refused) == len(texts)
+    assert answered, "no call was answered before the drain"
+    for text, vectors in answered:
+        assert np.sum(vectors * reference.embed([text] * 8), axis=1).min() >= 0.99999
+    # A call is refused only as UNAVAILABLE (never accepted, retried elsewhere in production).
+    assert {r.code() for r in refused} <= {grpc.StatusCode.UNAVAILABLE}
+    assert not process.front_pids() if process.proc.poll() is None else True

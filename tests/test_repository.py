@@ -1,0 +1,101 @@
+"""model.repository: the manifest export writes is the manifest the server reads, field for field, and
+a repository the server cannot trust (another manifest_version, a missing or inconsistent field, a
+graph that is missing or changed) stops `python -m server` with one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model.repository import (
+    MANIFEST_FILE,
+    MANIFEST_VERSION,
+    ModelRepositoryError,
+    open_repository,
+    read_manifest,
+)
+from tests.server_process import ROOT
+
+
+def test_reading_then_writing_the_built_manifest_gives_back_the_same_document(model_dir):
+    written = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+    assert read_manifest(model_dir).to_dict() == written
+
+
+def test_the_opened_repository_knows_its_graphs_and_shapes(model_dir):
+    repo = open_repository(model_dir)
+    assert (repo.dimensions, repo.max_input_tokens) == (384, 256)
+    assert repo.graph_for("CPUExecutionProvider", "auto").file == "model.onnx"
+    assert repo.graph_for("CUDAExecutionProvider", "fp32").precision == "fp32"  # CPU's graph as fallback
+    with pytest.raises(ModelRepositoryError, match="no fp16 graph for CPUExecutionProvider"):
+        repo.graph_for("CPUExecutionProvider", "fp16")
+
+
+@pytest.fixture
+def edited(model_dir: Path, tmp_path: Path) -> Callable[[Callable[[dict[str, Any]], object]], Path]:
+    """A copy of the built repository (graphs linked) whose manifest the test edits."""
+
+    def make(change: Callable[[dict[str, Any]], object]) -> Path:
+        for entry in model_dir.iterdir():
+            if entry.name != MANIFEST_FILE:
+                (tmp_path / entry.name).symlink_to(entry.resolve())
+        document = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+        change(document)
+        (tmp_path / MANIFEST_FILE).write_text(json.dumps(document), encoding="utf-8")
+        return tmp_path
+
+    return make
+
+
+def serve(model_dir: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "server", "--model-dir", str(model_dir), "--address", "127.0.0.1:0"]
+    command += ["--metrics-address", ""]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("version", "advice"),
+    [(MANIFEST_VERSION + 1, "upgrade this code"), (0, "rebuild the repository with `make model`")],
+)
+def test_server_refuses_another_manifest_version_naming_both(edited, version, advice):
+    directory = edited(lambda d: d.update(manifest_version=version))
+    done = serve(directory)
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"server: error: {directory / MANIFEST_FILE}: manifest_version {version}, but this code reads "
+        f"manifest_version {MANIFEST_VERSION}; {advice}\n"
+    )
+
+
+CASES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "no manifest_version": (lambda d: d.pop("manifest_version"), "manifest_version None, but this code"),
+    "a missing field": (lambda d: d.pop("weights_sha256"), "field 'weights_sha256' is None, expected str"),
+    "a wrong type": (lambda d: d.update(opset="17"), "field 'opset' is '17', expected int"),
+    "an unknown config field": (lambda d: d["config"].update(heads=2), "unknown EncoderConfig fields: heads"),
+    "dimensions not the config's": (lambda d: d.update(dimensions=768), "dimensions is 768, but this code"),
+    "a renamed graph input": (
+        lambda d: d.update(inputs={"ids": "int64", "lengths": "int64"}),
+        "inputs is {'ids': 'int64'",
+    ),
+    "an unknown precision": (lambda d: d["graphs"][0].update(precision="fp8"), "graph precision 'fp8'"),
+    "a changed graph": (
+        lambda d: d["graphs"][0].update(sha256="0" * 64),
+        "does not match manifest " + "0" * 64,
+    ),
+    "a missing graph": (lambda d: d["graphs"][0].update(file="gone.onnx"), "gone.onnx: missing"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_untrustworthy_manifest_stops_the_server_with_one_line(edited, case):
+    change, message = CASES[case]
+    done = serve(edited(change))
+    assert done.returncode == 2
+    assert done.stderr.startswith("server: error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert message in done.stderr
