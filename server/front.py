@@ -33,6 +33,7 @@ from model.tokenizer import Tokenizer
 from proto.embedding.v1 import embedding_pb2 as pb
 from server import __version__, protocol
 from server.config import ServerConfig
+from server.embedder import Embedder
 from server.health import SERVICE_NAME, new_health
 from server.metrics import Metrics
 from server.readiness import Readiness
@@ -125,15 +126,14 @@ def create_front(config: ServerConfig, index: int, address: str, engine_address:
     )
     health = new_health()
     readiness = Readiness(health, metrics)
-    service = EmbeddingService(
+    embedder = Embedder(
         RequestTokenizer(tokenizer, limits),
         engine,
-        pb.InfoResponse(),
         metrics,
         readiness,
-        config.max_stream_in_flight,
         TokenizingBudget(config.max_tokenizing_chars),
     )
+    service = EmbeddingService(embedder, pb.InfoResponse(), metrics, config.max_stream_in_flight)
     token = load_token(config.auth_token, config.auth_token_file)
     interceptors = [BearerAuth(token, metrics)] if token else []
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
@@ -156,7 +156,7 @@ async def start(front: Front) -> protocol.EngineFacts:
     await front.server.start()
     front.engine.connect()
     facts = await front.engine.hello()
-    vocab = front.service.tokenizer.vocab_size
+    vocab = front.service.embedder.tokenizer.vocab_size
     front.service.info = build_info(front.config, front.manifest, facts, vocab)
     await front.readiness.serving()
     return facts
@@ -175,7 +175,7 @@ RECLAIM_EVERY_S = 1.0
 RECLAIM_AFTER_CHARS = 32 << 20
 
 
-async def reclaim_memory(service: EmbeddingService) -> None:
+async def reclaim_memory(embedder: Embedder) -> None:
     """A full garbage collection, then glibc's malloc_trim: after every 32 M characters of text
     received, and once the text stops coming.
 
@@ -186,10 +186,10 @@ async def reclaim_memory(service: EmbeddingService) -> None:
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     trim = getattr(libc, "malloc_trim", None)  # glibc only
-    reclaimed = previous = service.text_chars_seen
+    reclaimed = previous = embedder.text_chars_seen
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
-        now = service.text_chars_seen
+        now = embedder.text_chars_seen
         if now - reclaimed >= RECLAIM_AFTER_CHARS or (now == previous != reclaimed):
             reclaimed = now
             gc.collect()
@@ -240,7 +240,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     parent = multiprocessing.parent_process()
     if parent is not None:
         loop.add_reader(parent.sentinel, stop.set)  # the supervisor is gone: stop too
-    reclaiming = asyncio.create_task(reclaim_memory(front.service))
+    reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder))
     starting = asyncio.create_task(start(front))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)

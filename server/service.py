@@ -1,4 +1,4 @@
-"""The gRPC servicer, kept thin: protobuf -> validated token arrays -> engine -> protobuf.
+"""The gRPC servicer, kept thin: protobuf -> EmbedJob -> Embedder (embedder.py) -> protobuf.
 
 Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
 a message that names the limit and the value.
@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -19,18 +18,12 @@ from google.protobuf.message import DecodeError
 from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.errors import InvalidInput, Overloaded, ServiceError
+from server.embedder import Embedded, Embedder, EmbedJob
+from server.errors import InvalidInput, ServiceError
 from server.metrics import Metrics, size_class
-from server.readiness import Readiness
-from server.tokenization import Prepared, RequestTokenizer, TokenizingBudget, tokenizing_cost
-from server.transport import Answer, EngineClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A single input of up to this many characters tokenizes in well under 100 us: less than handing it
-# to a worker thread and back costs. Anything more runs on the
-# tokenizer's threads (the Rust batch encode releases the GIL), never on the event loop.
-INLINE_TOKENIZE_CHARS = 2048
 
 
 class Undecodable:
@@ -59,25 +52,12 @@ def _check_decoded(request: object) -> None:
 
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     def __init__(
-        self,
-        tokenizer: RequestTokenizer,
-        engine: EngineClient,
-        info: pb.InfoResponse,
-        metrics: Metrics,
-        readiness: Readiness,
-        max_stream_in_flight: int,
-        budget: TokenizingBudget,
-        tokenizer_threads: int = 1,
+        self, embedder: Embedder, info: pb.InfoResponse, metrics: Metrics, max_stream_in_flight: int
     ) -> None:
-        self.budget = budget
-        self.text_chars_seen = 0  # characters of text received, for reclaim_memory()
-        self.tokenizer = tokenizer
-        self.engine = engine
+        self.embedder = embedder
         self.info = info
         self.metrics = metrics
-        self.readiness = readiness
         self.max_stream_in_flight = max_stream_in_flight
-        self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         return await self._serve("Embed", request, context, lambda: self._embed(request, _deadline(context)))
@@ -147,56 +127,19 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         duration = time.perf_counter() - started
         self.metrics.request_duration.labels(method, size_class(inputs)).observe(duration)
 
-    async def _prepare(self, request: pb.EmbedRequest) -> Prepared:
-        truncate = request.truncate if request.HasField("truncate") else True
-        if request.texts and request.token_ids:
-            raise InvalidInput("set either `texts` or `token_ids`, not both")
-        if request.token_ids:
-            return self.tokenizer.from_ids([t.ids for t in request.token_ids], truncate)
-        started = time.perf_counter()
-        # One list: each read of a protobuf string field decodes its UTF-8 again (8 MB per request).
-        prepared = await self._tokenize_texts(list(request.texts), truncate)
-        self.metrics.tokenize_duration.observe(time.perf_counter() - started)
-        return prepared
-
-    async def _tokenize_texts(self, texts: list[str], truncate: bool, whole: bool = False) -> Prepared:
-        """One short text inline (faster than a thread hop); anything more off the event loop.
-
-        Within the front's budget of characters being tokenized at once, refused beyond it.
-        """
-        self.tokenizer.check_texts(texts)
-        self.text_chars_seen += sum(map(len, texts))
-        cost = tokenizing_cost(texts, whole)
-        try:
-            self.budget.reserve(cost)
-        except Overloaded:
-            self.metrics.refused.inc()
-            raise
-        try:
-            if len(texts) == 1 and len(texts[0]) <= INLINE_TOKENIZE_CHARS and not whole:
-                return self.tokenizer.from_texts(texts, truncate)
-            loop = asyncio.get_running_loop()
-            work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
-            return await loop.run_in_executor(self._tokenizing, work, texts, truncate)
-        finally:
-            self.budget.release(cost)
-
     async def _embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
-        started = time.perf_counter()
-        self.readiness.check()
-        count = len(request.texts) or len(request.token_ids)
-        self.tokenizer.check_count(count)
-        self.engine.check_capacity(count)  # refuse overload before paying for tokenization
-        prepared = await self._prepare(request)
-        if cut := int(prepared.truncated.sum()):
-            self.metrics.truncated.inc(cut)
-        normalize = request.normalize if request.HasField("normalize") else True
-        answer = await self.engine.embed(prepared.lengths, prepared.ids, deadline, normalize)
-        return _response(answer, prepared, request.format, started)
+        job = EmbedJob(
+            texts=list(request.texts),  # one list: each read of a protobuf string decodes it again
+            token_ids=[t.ids for t in request.token_ids],
+            truncate=request.truncate if request.HasField("truncate") else True,
+            normalize=request.normalize if request.HasField("normalize") else True,
+            deadline=deadline,
+        )
+        return _response(await self.embedder.embed(job), request.format)
 
     async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         truncate = request.truncate if request.HasField("truncate") else True
-        prepared = await self._tokenize_texts(list(request.texts), True, whole=not truncate)
+        prepared = await self.embedder.tokenize(list(request.texts), truncate)
         tokens = []
         for i in range(len(prepared)):
             usage = pb.InputUsage(
@@ -299,8 +242,9 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
-def _response(answer: Answer, prepared: Prepared, fmt: int, started: float) -> pb.EmbedResponse:
+def _response(embedded: Embedded, fmt: int) -> pb.EmbedResponse:
     """The response from the engine's one (n, D) array: one bytes copy per row, no float lists."""
+    answer, prepared = embedded.answer, embedded.prepared
     response = pb.EmbedResponse(dimensions=answer.vectors.shape[1], total_tokens=int(prepared.lengths.sum()))
     as_bytes = fmt == pb.EMBEDDING_FORMAT_FLOAT32_BYTES
     vectors = answer.vectors.astype("<f4", copy=False)
@@ -315,5 +259,5 @@ def _response(answer: Answer, prepared: Prepared, fmt: int, started: float) -> p
             response.embeddings.add(values=vector.tolist(), usage=u)
     response.timing.queue_us = answer.queue_us
     response.timing.inference_us = answer.inference_us
-    response.timing.total_us = int((time.perf_counter() - started) * 1e6)
+    response.timing.total_us = int((time.perf_counter() - embedded.started) * 1e6)
     return response

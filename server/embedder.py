@@ -1,0 +1,111 @@
+"""What a front does for one request, whatever protocol it came in on: check, tokenize, hand to the
+engine. The gRPC servicer (service.py) and the HTTP API (http.py) are thin translations around it, so
+both share one queue, one set of limits and one budget, and give the same vectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from server.errors import InvalidInput, Overloaded
+from server.metrics import Metrics
+from server.readiness import Readiness
+from server.tokenization import Prepared, RequestTokenizer, TokenizingBudget, tokenizing_cost
+from server.transport import Answer, EngineClient
+
+# A single input of up to this many characters tokenizes in well under 100 us: less than handing it
+# to a worker thread and back costs. Anything more runs on the
+# tokenizer's threads (the Rust batch encode releases the GIL), never on the event loop.
+INLINE_TOKENIZE_CHARS = 2048
+
+
+@dataclass(frozen=True)
+class EmbedJob:
+    """One embedding request, in the front's terms: texts or token ids (one of them), and options."""
+
+    texts: Sequence[str] = ()
+    token_ids: Sequence[Sequence[int]] = ()
+    truncate: bool = True
+    normalize: bool = True
+    deadline: float | None = None  # time.monotonic() by which the answer is due
+
+    @property
+    def count(self) -> int:
+        return len(self.texts) or len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    answer: Answer  # the engine's (n, D) vectors and timings
+    prepared: Prepared  # the token arrays, for usage figures
+    started: float  # time.perf_counter() when the job arrived
+
+
+class Embedder:
+    def __init__(
+        self,
+        tokenizer: RequestTokenizer,
+        engine: EngineClient,
+        metrics: Metrics,
+        readiness: Readiness,
+        budget: TokenizingBudget,
+        tokenizer_threads: int = 1,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.metrics = metrics
+        self.readiness = readiness
+        self.budget = budget
+        self.text_chars_seen = 0  # characters of text received, for front.reclaim_memory()
+        self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+
+    async def embed(self, job: EmbedJob) -> Embedded:
+        started = time.perf_counter()
+        self.readiness.check()
+        if job.texts and job.token_ids:
+            raise InvalidInput("set either `texts` or `token_ids`, not both")
+        self.tokenizer.check_count(job.count)
+        self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
+        prepared = await self._prepare(job)
+        if cut := int(prepared.truncated.sum()):
+            self.metrics.truncated.inc(cut)
+        answer = await self.engine.embed(prepared.lengths, prepared.ids, job.deadline, job.normalize)
+        return Embedded(answer, prepared, started)
+
+    async def tokenize(self, texts: list[str], truncate: bool) -> Prepared:
+        """Token ids and usage; with truncate=False the whole text (original_tokens exact)."""
+        return await self._tokenize_texts(texts, True, whole=not truncate)
+
+    async def _prepare(self, job: EmbedJob) -> Prepared:
+        if job.token_ids:
+            return self.tokenizer.from_ids(job.token_ids, job.truncate)
+        started = time.perf_counter()
+        prepared = await self._tokenize_texts(list(job.texts), job.truncate)
+        self.metrics.tokenize_duration.observe(time.perf_counter() - started)
+        return prepared
+
+    async def _tokenize_texts(self, texts: list[str], truncate: bool, whole: bool = False) -> Prepared:
+        """One short text inline (faster than a thread hop); anything more off the event loop.
+
+        Within the front's budget of characters being tokenized at once, refused beyond it.
+        """
+        self.tokenizer.check_texts(texts)
+        self.text_chars_seen += sum(map(len, texts))
+        cost = tokenizing_cost(texts, whole)
+        try:
+            self.budget.reserve(cost)
+        except Overloaded:
+            self.metrics.refused.inc()
+            raise
+        try:
+            if len(texts) == 1 and len(texts[0]) <= INLINE_TOKENIZE_CHARS and not whole:
+                return self.tokenizer.from_texts(texts, truncate)
+            loop = asyncio.get_running_loop()
+            work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
+            return await loop.run_in_executor(self._tokenizing, work, texts, truncate)
+        finally:
+            self.budget.release(cost)
