@@ -62,20 +62,32 @@ class Tokenizer:
         return self._full.encode_batch([text])[0]
 
     def encode(self, texts: list[str]) -> Tokenized:
-        encodings = self._truncating.encode_batch_fast([t[:PREFIX_CHARS] for t in texts])  # no offsets
-        ids = [e.ids for e in encodings]
-        truncated = [bool(e.overflowing) for e in encodings]
-        original = [len(row) for row in ids]
-        lower_bound = [False] * len(texts)
-        for i, text in enumerate(texts):
-            if len(text) > PREFIX_CHARS:  # one at a time: the memory of one long text at once
-                ids[i], original[i], lower_bound[i] = self._encode_long(text)
-                truncated[i] = original[i] > len(ids[i])
-            elif truncated[i]:
-                original[i] = len(self.encode_full(text))
+        long = [i for i, text in enumerate(texts) if len(text) > PREFIX_CHARS]
+        if len(long) == len(texts):  # e.g. a flood of 100 kB texts: no empty batch call
+            ids: list[list[int]] = []
+            truncated: list[bool] = []
+            original: list[int] = []
+        else:
+            short = [text for text in texts if len(text) <= PREFIX_CHARS] if long else texts
+            encodings = self._truncating.encode_batch_fast(short)  # no offsets
+            ids = [e.ids for e in encodings]
+            truncated = [bool(e.overflowing) for e in encodings]
+            original = [
+                len(row) if not cut else len(self.encode_full(text))
+                for row, cut, text in zip(ids, truncated, short, strict=True)
+            ]
+        lower_bound = [False] * len(ids)
+        if long:  # slotted back in place: one batch of prefixes, each tokenized once
+            prefixes = self._full.encode_batch([texts[i][:PREFIX_CHARS] for i in long])
+            for i, prefix in zip(long, prefixes, strict=True):
+                row, count, bound = self._from_prefix(texts[i], prefix)
+                ids.insert(i, row)
+                original.insert(i, count)
+                lower_bound.insert(i, bound)
+                truncated.insert(i, count > len(row))
         return Tokenized(ids, truncated, original, lower_bound)
 
-    def _encode_long(self, text: str) -> tuple[list[int], int, bool]:
+    def _from_prefix(self, text: str, prefix: Encoding) -> tuple[list[int], int, bool]:
         """(ids as if the whole text were tokenized and truncated, original tokens, lower bound?).
 
         Splitting into words depends only on the characters themselves (whitespace, punctuation,
@@ -84,7 +96,6 @@ class Tokenizer:
         prefix's ids are exact. Otherwise (e.g. one 50,000-character "word", a single [UNK]), the
         whole text is tokenized: exact, and bounded by max_text_chars.
         """
-        prefix = self._whole(text[:PREFIX_CHARS])
         words = prefix.word_ids
         cut_word = next((w for w in reversed(words) if w is not None), None)
         whole = [token for token, w in zip(prefix.ids, words, strict=True) if w is not None and w != cut_word]

@@ -132,3 +132,13 @@ def test_long_texts_get_the_ids_of_the_whole_text_truncated(tokenizer, name):
 def test_a_long_prose_text_reads_only_its_prefix(tokenizer):
     got = tokenizer.encode([LONG_CASES["prose"]])
     assert got.lower_bound == [True]
+
+
+def test_long_and_short_texts_mixed_keep_their_order(tokenizer):
+    texts = ["short one", LONG_CASES["prose"], "another short", LONG_CASES["CJK"], LONG_CASES["punctuation"]]
+    together = tokenizer.encode(texts)
+    alone = [tokenizer.encode([t]) for t in texts]
+    assert together.ids == [a.ids[0] for a in alone]
+    assert together.original_lengths == [a.original_lengths[0] for a in alone]
+    assert together.lower_bound == [a.lower_bound[0] for a in alone]
+    assert together.truncated == [a.truncated[0] for a in alone]
