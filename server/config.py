@@ -47,6 +47,9 @@ class ServerConfig:
     # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
     queue_limit: int = 4096
     max_message_bytes: int = 8 * 1024 * 1024
+    # Bytes of requests received and not yet answered, per front process: bounds the event loop's
+    # parsing work and the memory requests hold (a refused request is not parsed).
+    max_request_bytes_in_flight: int = 32 * 1024 * 1024
     max_stream_in_flight: int = 64
     max_concurrent_streams: int = 1024
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).
@@ -76,10 +79,16 @@ class ServerConfig:
             "max_message_bytes",
             "max_text_chars",
             "max_tokenizing_chars",
+            "max_request_bytes_in_flight",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_request_bytes_in_flight < self.max_message_bytes:
+            raise ValueError(
+                f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}) must be at least "
+                f"max_message_bytes ({self.max_message_bytes}), or a largest request could never fit"
+            )
         if self.front_processes < 0:
             raise ValueError(f"front_processes must be 0 (auto) or more, not {self.front_processes}")
         if self.model_instances < 0 or self.threads < 0:
@@ -114,6 +123,10 @@ _HELP = {
     ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
     "max_message_bytes": "largest gRPC message received or sent",
+    "max_request_bytes_in_flight": (
+        "bytes of requests received and not yet answered per front process; beyond it requests get "
+        "RESOURCE_EXHAUSTED before they are parsed (at least max_message_bytes)"
+    ),
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
     "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",
     "model_instances": (

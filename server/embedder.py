@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from server.budget import Budget
 from server.errors import InvalidInput, Overloaded
 from server.metrics import Metrics
 from server.readiness import Readiness
-from server.tokenization import Prepared, RequestTokenizer, TokenizingBudget, tokenizing_cost
+from server.tokenization import Prepared, RequestTokenizer, tokenizing_cost
 from server.transport import Answer, EngineClient
 
 # A single input of up to this many characters tokenizes in well under 100 us: less than handing it
@@ -52,7 +54,8 @@ class Embedder:
         engine: EngineClient,
         metrics: Metrics,
         readiness: Readiness,
-        budget: TokenizingBudget,
+        budget: Budget,
+        request_bytes: Budget,
         tokenizer_threads: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
@@ -60,8 +63,22 @@ class Embedder:
         self.metrics = metrics
         self.readiness = readiness
         self.budget = budget
+        self.request_bytes = request_bytes
         self.text_chars_seen = 0  # characters of text received, for front.reclaim_memory()
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+
+    @contextmanager
+    def receiving(self, size: int) -> Iterator[None]:
+        """Hold a request's `size` bytes from arrival to answer; refused at once past the budget."""
+        try:
+            self.request_bytes.reserve(size)
+        except Overloaded:
+            self.metrics.refused.inc()
+            raise
+        try:
+            yield
+        finally:
+            self.request_bytes.release(size)
 
     async def embed(self, job: EmbedJob) -> Embedded:
         started = time.perf_counter()

@@ -32,6 +32,7 @@ from model.repository import TOKENIZER_FILE, Manifest, read_manifest
 from model.tokenizer import Tokenizer
 from proto.embedding.v1 import embedding_pb2 as pb
 from server import __version__, protocol
+from server.budget import request_bytes_budget, tokenizing_budget
 from server.config import ServerConfig
 from server.embedder import Embedder
 from server.health import SERVICE_NAME, new_health
@@ -39,7 +40,7 @@ from server.metrics import Metrics
 from server.readiness import Readiness
 from server.security import BearerAuth, load_token, server_credentials
 from server.service import EmbeddingService, register
-from server.tokenization import InputLimits, RequestTokenizer, TokenizingBudget
+from server.tokenization import InputLimits, RequestTokenizer
 from server.transport import EngineClient
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ def create_front(config: ServerConfig, index: int, address: str, engine_address:
         engine,
         metrics,
         readiness,
-        TokenizingBudget(config.max_tokenizing_chars),
+        tokenizing_budget(config.max_tokenizing_chars),
+        request_bytes_budget(config.max_request_bytes_in_flight),
     )
     service = EmbeddingService(embedder, pb.InfoResponse(), metrics, config.max_stream_in_flight)
     token = load_token(config.auth_token, config.auth_token_file)

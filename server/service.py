@@ -10,10 +10,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
@@ -26,28 +26,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Undecodable:
-    """What a request that is not valid protobuf (e.g. invalid UTF-8 in a string) turns into."""
-
-    def __init__(self, type_name: str, error: Exception) -> None:
-        self.reason = f"the request is not a valid {type_name}: {error}"
+M = TypeVar("M", bound=Message)
 
 
-def lenient(message: Any) -> Callable[[bytes], Any]:
-    """A request deserializer that turns undecodable bytes into INVALID_ARGUMENT, not INTERNAL."""
-
-    def parse(data: bytes) -> Any:
-        try:
-            return message.FromString(data)
-        except DecodeError as e:
-            return Undecodable(message.DESCRIPTOR.full_name, e)
-
-    return parse
-
-
-def _check_decoded(request: object) -> None:
-    if isinstance(request, Undecodable):
-        raise InvalidInput(request.reason)
+def parse(message: type[M], data: bytes) -> M:
+    """Bytes to a request; undecodable bytes (e.g. invalid UTF-8 in a string) are INVALID_ARGUMENT."""
+    try:
+        return message.FromString(data)
+    except DecodeError as e:
+        raise InvalidInput(f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}") from None
 
 
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
@@ -59,22 +46,25 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        return await self._serve("Embed", request, context, lambda: self._embed(request, _deadline(context)))
+    # Requests arrive as bytes (see register): each is held against the front's budget of request
+    # bytes before it is parsed, so a flood of 8 MB requests past it costs no parsing.
 
-    async def Tokenize(
-        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.TokenizeResponse:
-        return await self._serve("Tokenize", request, context, lambda: self._tokenize(request))
+    async def Embed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        return await self._serve(
+            "Embed", data, pb.EmbedRequest, context, lambda r: self._embed(r, _deadline(context))
+        )
 
-    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        async def info() -> pb.InfoResponse:
+    async def Tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        return await self._serve("Tokenize", data, pb.TokenizeRequest, context, self._tokenize)
+
+    async def Info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        async def info(request: pb.InfoRequest) -> pb.InfoResponse:
             return self.info
 
-        return await self._serve("Info", request, context, info)
+        return await self._serve("Info", data, pb.InfoRequest, context, info)
 
     async def EmbedStream(
-        self, request_iterator: AsyncIterator[pb.EmbedStreamRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
         started = time.perf_counter()
         self.metrics.in_flight.inc()
@@ -91,9 +81,10 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     async def _serve(
         self,
         method: str,
-        request: object,
+        data: bytes,
+        message: type[M],
         context: grpc.aio.ServicerContext,
-        handler: Callable[[], Awaitable[T]],
+        handler: Callable[[M], Awaitable[T]],
     ) -> T:
         """Run one unary call: the single place where errors become gRPC statuses.
 
@@ -104,10 +95,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         """
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        code, details = grpc.StatusCode.OK, ""
+        code, details, inputs = grpc.StatusCode.OK, "", 0
         try:
-            _check_decoded(request)
-            return await handler()
+            with self.embedder.receiving(len(data)):
+                request = parse(message, data)
+                inputs = _inputs(request)
+                return await handler(request)
         except ServiceError as e:
             code, details = e.code, str(e)
         except asyncio.CancelledError:
@@ -117,7 +110,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             log.exception("%s failed", method)
             code, details = grpc.StatusCode.INTERNAL, "internal error; see the server log"
         finally:
-            self._record(method, code, started, _inputs(request))
+            self._record(method, code, started, inputs)
         await context.abort(code, details)
         raise AssertionError("unreachable: abort raises")
 
@@ -152,25 +145,29 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         return pb.TokenizeResponse(tokens=tokens)
 
     async def _stream(
-        self, requests: AsyncIterator[pb.EmbedStreamRequest], deadline: float | None
+        self, requests: AsyncIterator[bytes], deadline: float | None
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
         """Items run concurrently and are answered as they finish; at most N unanswered at once."""
         slots = asyncio.Semaphore(self.max_stream_in_flight)
         answers: asyncio.Queue[pb.EmbedStreamResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
-        async def answer(item: pb.EmbedStreamRequest) -> None:
+        async def answer(data: bytes, held: int) -> None:
+            item_id = ""
             try:
-                _check_decoded(item)
+                item = parse(pb.EmbedStreamRequest, data)
+                item_id = item.id
                 response = await self._embed(item.request, deadline)
-                await answers.put(pb.EmbedStreamResponse(id=item.id, response=response))
+                await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
             except ServiceError as e:
-                await answers.put(_stream_error(item, e.code, str(e)))
+                await answers.put(_stream_error(item_id, e.code, str(e)))
             except Exception:  # every item gets an answer, even after a bug
                 log.exception("EmbedStream item failed")
                 await answers.put(
-                    _stream_error(item, grpc.StatusCode.INTERNAL, "internal error; see the server log")
+                    _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
                 )
+            finally:
+                self.embedder.request_bytes.release(held)
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -178,9 +175,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
         async def read() -> None:
             try:
-                async for item in requests:
+                async for data in requests:
                     await slots.acquire()  # stop reading while the stream has N items unanswered
-                    task = asyncio.create_task(answer(item))
+                    # A stream waits for room in the front's request bytes (reads no further)
+                    # rather than refusing an item it could not name before parsing it.
+                    await self.embedder.request_bytes.wait_for(len(data))
+                    task = asyncio.create_task(answer(data, len(data)))
                     tasks.add(task)
                     task.add_done_callback(finished)
                 if tasks:
@@ -200,20 +200,17 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
 
 def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
-    """Add the service with lenient request parsing (the generated helper would answer INTERNAL)."""
+    """Add the service, its requests unparsed (bytes): the servicer parses each one once it is
+    admitted (and answers INVALID_ARGUMENT for bytes that do not parse, not gRPC's INTERNAL)."""
     handlers = {
-        "Embed": grpc.unary_unary_rpc_method_handler(
-            service.Embed, lenient(pb.EmbedRequest), pb.EmbedResponse.SerializeToString
-        ),
+        "Embed": grpc.unary_unary_rpc_method_handler(service.Embed, None, pb.EmbedResponse.SerializeToString),
         "EmbedStream": grpc.stream_stream_rpc_method_handler(
-            service.EmbedStream, lenient(pb.EmbedStreamRequest), pb.EmbedStreamResponse.SerializeToString
+            service.EmbedStream, None, pb.EmbedStreamResponse.SerializeToString
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
-            service.Tokenize, lenient(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString
+            service.Tokenize, None, pb.TokenizeResponse.SerializeToString
         ),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            service.Info, lenient(pb.InfoRequest), pb.InfoResponse.SerializeToString
-        ),
+        "Info": grpc.unary_unary_rpc_method_handler(service.Info, None, pb.InfoResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -225,8 +222,7 @@ def _inputs(request: object) -> int:
     return len(request.texts) if isinstance(request, pb.TokenizeRequest) else 0
 
 
-def _stream_error(item: object, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:
-    item_id = item.id if isinstance(item, pb.EmbedStreamRequest) else ""
+def _stream_error(item_id: str, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:
     return pb.EmbedStreamResponse(id=item_id, error=pb.Error(code=code.value[0], message=message))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from model.tokenizer import PREFIX_CHARS, Tokenizer
-from server.errors import InvalidInput, Overloaded
+from server.errors import InvalidInput
 
 
 @dataclass(frozen=True)
@@ -130,33 +130,3 @@ class RequestTokenizer:
 def tokenizing_cost(texts: Sequence[str], whole: bool = False) -> int:
     """Characters the tokenizer reads for these texts: a long text's prefix, unless `whole`."""
     return sum(len(t) if whole else min(len(t), PREFIX_CHARS) for t in texts)
-
-
-class TokenizingBudget:
-    """Characters being tokenized at once in one front process, whatever the requests.
-
-    Bounds the tokenizer's memory (its encodings take ~25 bytes per character) and work in flight;
-    past it a request is refused at once (RESOURCE_EXHAUSTED) before any tokenizing.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_use = 0
-
-    def reserve(self, chars: int) -> None:
-        """Take `chars`, or refuse: it never fits (INVALID_ARGUMENT), or not now (RESOURCE_EXHAUSTED)."""
-        if chars > self.limit:
-            raise InvalidInput(
-                f"{chars} characters to tokenize in one request can never fit max_tokenizing_chars="
-                f"{self.limit}; split the request"
-            )
-        if self.in_use + chars > self.limit:
-            raise Overloaded(
-                f"tokenizer busy: {self.in_use} characters being tokenized, {chars} more asked, "
-                f"max_tokenizing_chars is {self.limit}; retry with backoff"
-            )
-        self.in_use += chars
-
-    def release(self, chars: int) -> None:
-        self.in_use -= chars
-        assert self.in_use >= 0

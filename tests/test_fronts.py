@@ -22,9 +22,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reference import Reference
-from tests.server_process import ServerProcess, serving, start_server, wait_for
+from tests.server_process import (
+    ServerProcess,
+    fault_entry,
+    one_instance_held,
+    serving,
+    start_server,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
@@ -167,3 +175,32 @@ def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(refe
     # A call is refused only as UNAVAILABLE (never accepted, retried elsewhere in production).
     assert {r.code() for r in refused} <= {grpc.StatusCode.UNAVAILABLE}
     assert not process.front_pids() if process.proc.poll() is None else True
+
+
+def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_wait_instead(reference):
+    """Two 600 kB requests where the budget holds one: the second is refused at once naming the
+    setting, a short request still fits, the first is answered; a stream's two such items both get
+    answers (the stream waits for room instead)."""
+    budget = 1 << 20
+    big = [" ".join(["word"] * 20_000)] * 6  # 6 x 100 kB: ~600 kB on the wire
+    flags = ("--max-message-bytes", str(budget), "--max-request-bytes-in-flight", str(budget))
+
+    async def scenario(address: str) -> None:
+        async with one_instance_held(address), grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.EmbeddingServiceStub(channel)
+            first = asyncio.ensure_future(stub.Embed(embed_request(big), timeout=60))
+            await asyncio.sleep(0.5)  # received and waiting behind the held instance
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Embed(embed_request(big), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"max_request_bytes_in_flight is {budget}" in refused.value.details()
+            short = await stub.Embed(embed_request([SHORT[0]]), timeout=60)
+            assert np.dot(to_array(short)[0], reference.embed([SHORT[0]])[0]) > 0.99999
+            assert len((await first).embeddings) == len(big)
+            items = [pb.EmbedStreamRequest(id=str(i), request=embed_request(big)) for i in range(2)]
+            answers = [a async for a in stub.EmbedStream(iter(items), timeout=60)]
+            assert sorted(a.id for a in answers) == ["0", "1"]
+            assert all(a.WhichOneof("result") == "response" for a in answers)
+
+    with serving(*flags, "--model-instances", "1", entry=fault_entry("no fault")) as process:
+        asyncio.run(scenario(process.address))

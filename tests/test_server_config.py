@@ -129,11 +129,14 @@ def test_server_process_takes_settings_from_env_and_flags_over_env():
 
 
 def test_the_tokenizing_budget_refuses_what_never_fits_and_what_does_not_fit_now():
+    from server.budget import tokenizing_budget
     from server.errors import InvalidInput, Overloaded
-    from server.tokenization import TokenizingBudget
 
-    budget = TokenizingBudget(100)
-    with pytest.raises(InvalidInput, match="101 characters to tokenize in one request can never fit"):
+    budget = tokenizing_budget(100)
+    with pytest.raises(
+        InvalidInput,
+        match="101 characters being tokenized for one request can never fit max_tokenizing_chars=100",
+    ):
         budget.reserve(101)
     budget.reserve(60)
     with pytest.raises(

@@ -1,0 +1,68 @@
+"""A front's budgets for work in flight: past one, a request is refused at once with RESOURCE_EXHAUSTED
+naming the setting and the figures, before the work it would cost is done."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from server.errors import InvalidInput, Overloaded
+
+
+class Budget:
+    """`limit` units (characters, bytes) held at once in one front process, whatever the requests."""
+
+    def __init__(self, limit: int, setting: str, what: str) -> None:
+        self.limit = limit
+        self.setting = setting  # the flag that sets it, named in refusals
+        self.what = what  # e.g. "characters being tokenized"
+        self.in_use = 0
+        self._freed = asyncio.Event()
+
+    def reserve(self, amount: int) -> None:
+        """Take `amount`, or refuse: it never fits (INVALID_ARGUMENT), or not now (RESOURCE_EXHAUSTED)."""
+        if amount > self.limit:
+            raise InvalidInput(
+                f"{amount} {self.what} for one request can never fit {self.setting}={self.limit}; "
+                "split the request"
+            )
+        if self.in_use + amount > self.limit:
+            raise Overloaded(
+                f"front busy: {self.in_use} {self.what}, {amount} more asked, {self.setting} is "
+                f"{self.limit}; retry with backoff"
+            )
+        self.in_use += amount
+
+    async def wait_for(self, amount: int) -> None:
+        """Take `amount` once it fits, however long that takes (a stream's reader, which meanwhile
+        reads no further). Whatever its size it fits once nothing else is held."""
+        while self.in_use and self.in_use + amount > self.limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self.in_use += amount
+
+    def release(self, amount: int) -> None:
+        self.in_use -= amount
+        assert self.in_use >= 0
+        self._freed.set()
+
+    @contextmanager
+    def held(self, amount: int) -> Iterator[None]:
+        self.reserve(amount)
+        try:
+            yield
+        finally:
+            self.release(amount)
+
+
+def tokenizing_budget(limit: int) -> Budget:
+    """Characters being tokenized at once: bounds the tokenizer's memory (its encodings take ~25
+    bytes per character) and work in flight."""
+    return Budget(limit, "max_tokenizing_chars", "characters being tokenized")
+
+
+def request_bytes_budget(limit: int) -> Budget:
+    """Bytes of requests received and not yet answered: bounds what parsing them costs the event
+    loop (~1 ms per MB) and the memory they hold (the bytes, the parsed message, its strings)."""
+    return Budget(limit, "max_request_bytes_in_flight", "bytes of requests being handled")
