@@ -4,8 +4,6 @@ naming the setting and the figures, before the work it would cost is done."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from server.errors import InvalidInput, Overloaded
 
@@ -34,26 +32,43 @@ class Budget:
             )
         self.in_use += amount
 
-    async def wait_for(self, amount: int) -> None:
+    async def wait_for(self, amount: int) -> Hold:
         """Take `amount` once it fits, however long that takes (a stream's reader, which meanwhile
         reads no further). Whatever its size it fits once nothing else is held."""
         while self.in_use and self.in_use + amount > self.limit:
             self._freed.clear()
             await self._freed.wait()
         self.in_use += amount
+        return Hold(self, amount)
 
     def release(self, amount: int) -> None:
         self.in_use -= amount
         assert self.in_use >= 0
         self._freed.set()
 
-    @contextmanager
-    def held(self, amount: int) -> Iterator[None]:
+    def hold(self, amount: int) -> Hold:
+        """`reserve`, as a Hold to release once (a with-block releases it at the latest)."""
         self.reserve(amount)
-        try:
-            yield
-        finally:
-            self.release(amount)
+        return Hold(self, amount)
+
+
+class Hold:
+    """Part of a budget taken by one request: released once, early or at the end of a with-block."""
+
+    def __init__(self, budget: Budget, amount: int) -> None:
+        self.budget = budget
+        self.amount = amount
+
+    def release(self) -> None:
+        if self.amount:
+            self.budget.release(self.amount)
+            self.amount = 0
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def tokenizing_budget(limit: int) -> Budget:
@@ -63,6 +78,7 @@ def tokenizing_budget(limit: int) -> Budget:
 
 
 def request_bytes_budget(limit: int) -> Budget:
-    """Bytes of requests received and not yet answered: bounds what parsing them costs the event
-    loop (~1 ms per MB) and the memory they hold (the bytes, the parsed message, its strings)."""
+    """Bytes of requests being parsed and tokenized: bounds what that costs the event loop (~1 ms
+    per MB) and the memory it holds (the bytes, the parsed message, its strings). Released once a
+    request is tokenized: what waits for the engine after that is bounded by the queue limit."""
     return Budget(limit, "max_request_bytes_in_flight", "bytes of requests being handled")

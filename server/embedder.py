@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from server.budget import Budget
+from server.budget import Budget, Hold
 from server.errors import InvalidInput, Overloaded
 from server.metrics import Metrics
 from server.readiness import Readiness
@@ -67,20 +66,16 @@ class Embedder:
         self.text_chars_seen = 0  # characters of text received, for front.reclaim_memory()
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
-    @contextmanager
-    def receiving(self, size: int) -> Iterator[None]:
-        """Hold a request's `size` bytes from arrival to answer; refused at once past the budget."""
+    def receiving(self, size: int) -> Hold:
+        """Hold a request's `size` bytes until it is tokenized; refused at once past the budget."""
         try:
-            self.request_bytes.reserve(size)
+            return self.request_bytes.hold(size)
         except Overloaded:
             self.metrics.refused.inc()
             raise
-        try:
-            yield
-        finally:
-            self.request_bytes.release(size)
 
-    async def embed(self, job: EmbedJob) -> Embedded:
+    async def embed(self, job: EmbedJob, received: Hold | None = None) -> Embedded:
+        """Check, tokenize (then release `received`, the request's bytes), and run on the engine."""
         started = time.perf_counter()
         self.readiness.check()
         if job.texts and job.token_ids:
@@ -88,6 +83,8 @@ class Embedder:
         self.tokenizer.check_count(job.count)
         self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
         prepared = await self._prepare(job)
+        if received is not None:
+            received.release()
         if cut := int(prepared.truncated.sum()):
             self.metrics.truncated.inc(cut)
         answer = await self.engine.embed(prepared.lengths, prepared.ids, job.deadline, job.normalize)

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from server.budget import Hold
 from server.embedder import Embedded, Embedder, EmbedJob
 from server.errors import InvalidInput, ServiceError
 from server.metrics import Metrics, size_class
@@ -51,14 +52,14 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
     async def Embed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         return await self._serve(
-            "Embed", data, pb.EmbedRequest, context, lambda r: self._embed(r, _deadline(context))
+            "Embed", data, pb.EmbedRequest, context, lambda r, held: self._embed(r, _deadline(context), held)
         )
 
     async def Tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         return await self._serve("Tokenize", data, pb.TokenizeRequest, context, self._tokenize)
 
     async def Info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        async def info(request: pb.InfoRequest) -> pb.InfoResponse:
+        async def info(request: pb.InfoRequest, held: Hold) -> pb.InfoResponse:
             return self.info
 
         return await self._serve("Info", data, pb.InfoRequest, context, info)
@@ -84,7 +85,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         data: bytes,
         message: type[M],
         context: grpc.aio.ServicerContext,
-        handler: Callable[[M], Awaitable[T]],
+        handler: Callable[[M, Hold], Awaitable[T]],
     ) -> T:
         """Run one unary call: the single place where errors become gRPC statuses.
 
@@ -97,10 +98,10 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.metrics.in_flight.inc()
         code, details, inputs = grpc.StatusCode.OK, "", 0
         try:
-            with self.embedder.receiving(len(data)):
+            with self.embedder.receiving(len(data)) as held:
                 request = parse(message, data)
                 inputs = _inputs(request)
-                return await handler(request)
+                return await handler(request, held)
         except ServiceError as e:
             code, details = e.code, str(e)
         except asyncio.CancelledError:
@@ -120,7 +121,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         duration = time.perf_counter() - started
         self.metrics.request_duration.labels(method, size_class(inputs)).observe(duration)
 
-    async def _embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
+    async def _embed(self, request: pb.EmbedRequest, deadline: float | None, held: Hold) -> pb.EmbedResponse:
         job = EmbedJob(
             texts=list(request.texts),  # one list: each read of a protobuf string decodes it again
             token_ids=[t.ids for t in request.token_ids],
@@ -128,11 +129,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             normalize=request.normalize if request.HasField("normalize") else True,
             deadline=deadline,
         )
-        return _response(await self.embedder.embed(job), request.format)
+        return _response(await self.embedder.embed(job, held), request.format)
 
-    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    async def _tokenize(self, request: pb.TokenizeRequest, held: Hold) -> pb.TokenizeResponse:
         truncate = request.truncate if request.HasField("truncate") else True
         prepared = await self.embedder.tokenize(list(request.texts), truncate)
+        held.release()
         tokens = []
         for i in range(len(prepared)):
             usage = pb.InputUsage(
@@ -152,12 +154,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         answers: asyncio.Queue[pb.EmbedStreamResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
-        async def answer(data: bytes, held: int) -> None:
+        async def answer(data: bytes, held: Hold) -> None:
             item_id = ""
             try:
                 item = parse(pb.EmbedStreamRequest, data)
                 item_id = item.id
-                response = await self._embed(item.request, deadline)
+                response = await self._embed(item.request, deadline, held)
                 await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
             except ServiceError as e:
                 await answers.put(_stream_error(item_id, e.code, str(e)))
@@ -167,7 +169,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                     _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
                 )
             finally:
-                self.embedder.request_bytes.release(held)
+                held.release()
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -179,8 +181,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                     await slots.acquire()  # stop reading while the stream has N items unanswered
                     # A stream waits for room in the front's request bytes (reads no further)
                     # rather than refusing an item it could not name before parsing it.
-                    await self.embedder.request_bytes.wait_for(len(data))
-                    task = asyncio.create_task(answer(data, len(data)))
+                    held = await self.embedder.request_bytes.wait_for(len(data))
+                    task = asyncio.create_task(answer(data, held))
                     tasks.add(task)
                     task.add_done_callback(finished)
                 if tasks:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
+import string
 import threading
 import time
 import urllib.request
@@ -27,8 +29,6 @@ from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reference import Reference
 from tests.server_process import (
     ServerProcess,
-    fault_entry,
-    one_instance_held,
     serving,
     start_server,
     wait_for,
@@ -178,29 +178,33 @@ def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(refe
 
 
 def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_wait_instead(reference):
-    """Two 600 kB requests where the budget holds one: the second is refused at once naming the
-    setting, a short request still fits, the first is answered; a stream's two such items both get
-    answers (the stream waits for room instead)."""
-    budget = 1 << 20
-    big = [" ".join(["word"] * 20_000)] * 6  # 6 x 100 kB: ~600 kB on the wire
+    """A request's bytes are held while it is parsed and tokenized. Where the budget holds one
+    1.2 MB request, a second one sent while the first is tokenized whole (~0.5 s) is refused
+    at once naming the setting; a short one still fits; a stream's two such items both get answers
+    (the stream waits for room instead)."""
+    budget = 2 << 20
+    rng = random.Random(0)
+    words = [("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 12)))) for _ in range(12_000)]
+    big = [" ".join(words)[:100_000]] * 12  # 1.2 MB on the wire, ~0.5 s to tokenize whole
     flags = ("--max-message-bytes", str(budget), "--max-request-bytes-in-flight", str(budget))
 
     async def scenario(address: str) -> None:
-        async with one_instance_held(address), grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.EmbeddingServiceStub(channel)
-            first = asyncio.ensure_future(stub.Embed(embed_request(big), timeout=60))
-            await asyncio.sleep(0.5)  # received and waiting behind the held instance
+            whole = pb.TokenizeRequest(texts=big, truncate=False)
+            first = asyncio.ensure_future(stub.Tokenize(whole, timeout=60))
+            await asyncio.sleep(0.1)  # received, being tokenized whole
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Embed(embed_request(big), timeout=60)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"max_request_bytes_in_flight is {budget}" in refused.value.details()
             short = await stub.Embed(embed_request([SHORT[0]]), timeout=60)
             assert np.dot(to_array(short)[0], reference.embed([SHORT[0]])[0]) > 0.99999
-            assert len((await first).embeddings) == len(big)
+            assert all(t.usage.original_tokens > 12_000 for t in (await first).tokens)
             items = [pb.EmbedStreamRequest(id=str(i), request=embed_request(big)) for i in range(2)]
             answers = [a async for a in stub.EmbedStream(iter(items), timeout=60)]
             assert sorted(a.id for a in answers) == ["0", "1"]
             assert all(a.WhichOneof("result") == "response" for a in answers)
 
-    with serving(*flags, "--model-instances", "1", entry=fault_entry("no fault")) as process:
+    with serving(*flags) as process:
         asyncio.run(scenario(process.address))
