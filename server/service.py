@@ -1,7 +1,9 @@
 """The gRPC servicer, kept thin: protobuf -> EmbedJob -> Embedder (embedder.py) -> protobuf.
 
 Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
-a message that names the limit and the value.
+a message that names the limit and the value. Every call gets a request id (its `x-request-id`
+metadata, or a new one): log lines about the call carry it, and the caller gets it back in the
+trailing metadata whatever the outcome.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from google.protobuf.message import DecodeError
 from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from server import logs
 from server.embedder import Embedded, Embedder, EmbedJob
 from server.errors import InvalidInput, ServiceError
 from server.metrics import Metrics, size_class
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Trailing = tuple[tuple[str, str], ...]
+REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
 
 
 class Undecodable:
@@ -58,6 +63,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.info = info
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
+        self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         return await self._serve("Embed", request, context, lambda: self._embed(request, _deadline(context)))
@@ -79,6 +85,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
+        self._request_id(context)
         try:
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
@@ -105,6 +112,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code, details = grpc.StatusCode.OK, ""
+        trailing = self._request_id(context)
         try:
             _check_decoded(request)
             return await handler()
@@ -118,8 +126,32 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             code, details = grpc.StatusCode.INTERNAL, "internal error; see the server log"
         finally:
             self._record(method, code, started, _inputs(request))
-        await context.abort(code, details)
+        await context.abort(code, details, trailing)
         raise AssertionError("unreachable: abort raises")
+
+    def _request_id(self, context: grpc.aio.ServicerContext) -> Trailing:
+        """The call's request id: set for log lines (the call's own task), on its server span, and
+        in its trailing metadata, which an abort must be given again."""
+        given = None
+        for key, value in context.invocation_metadata() or ():
+            if key == logs.REQUEST_ID_HEADER:
+                given = value
+                break
+        request_id, why = logs.request_id_from(given)
+        logs.current_request_id.set(request_id)
+        if why:
+            self._replaced(str(given), why)
+        if self.embedder.tracer is not None:
+            self.embedder.tracer.tag(request_id)
+        trailing = ((logs.REQUEST_ID_HEADER, request_id),)
+        context.set_trailing_metadata(trailing)
+        return trailing
+
+    def _replaced(self, given: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= REPLACED_ID_WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("x-request-id %.64r not used (%s): this call's id is made up", given, why)
 
     def _record(self, method: str, code: grpc.StatusCode, started: float, inputs: int = 0) -> None:
         self.metrics.in_flight.dec()
@@ -134,6 +166,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             truncate=request.truncate if request.HasField("truncate") else True,
             normalize=request.normalize if request.HasField("normalize") else True,
             deadline=deadline,
+            request_id=logs.current_request_id.get(),
         )
         return _response(await self.embedder.embed(job), request.format)
 
