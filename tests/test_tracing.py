@@ -9,10 +9,13 @@ import subprocess
 import sys
 import types
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -26,7 +29,7 @@ from server.engine import create_engine, onnx_backend
 from server.front import Front, create_front, start, start_tracing
 from server.metrics import Metrics
 from server.tracing import RequestTracer
-from tests.server_process import model_dir
+from tests.server_process import model_dir, serving
 
 Scenario = Callable[[Front, InMemorySpanExporter], Awaitable[None]]
 
@@ -129,3 +132,44 @@ def test_with_an_otlp_endpoint_spans_go_to_an_otlp_exporter():
         assert type(processor._batch_processor._exporter).__name__ == "OTLPSpanExporter"
     finally:
         tracer.shutdown()
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A stand-in OTLP/gRPC collector: keeps every span it is sent, by name."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, Any] = {}
+
+    def Export(self, request: Any, context: Any) -> Any:
+        for resource in request.resource_spans:
+            for scope in resource.scope_spans:
+                self.spans.update({span.name: span for span in scope.spans})
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def embed_once(address: str, request_id: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        metadata = [(logs.REQUEST_ID_HEADER, request_id)]
+        stub.Embed(pb.EmbedRequest(texts=["sent to a collector"]), metadata=metadata, timeout=30)
+
+
+def test_a_server_with_an_otlp_endpoint_exports_each_calls_spans_to_the_collector():
+    collector = Collector()
+    receiver = grpc.server(ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, receiver)
+    port = receiver.add_insecure_port("127.0.0.1:0")
+    receiver.start()
+    try:
+        with serving("--otlp-endpoint", f"http://127.0.0.1:{port}") as server:
+            embed_once(server.address, "exported-1")
+        # Stopped (SIGTERM): each front exports what it buffered before it exits.
+        assert {"/embedding.v1.EmbeddingService/Embed", "tokenize", "queue_wait", "model_run"} <= set(
+            collector.spans
+        )
+        server_span = collector.spans["/embedding.v1.EmbeddingService/Embed"]
+        attributes = {a.key: a.value.string_value for a in server_span.attributes}
+        assert attributes["request.id"] == "exported-1"
+        assert collector.spans["model_run"].parent_span_id == server_span.span_id
+    finally:
+        receiver.stop(None)
