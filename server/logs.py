@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Iterable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +30,14 @@ log = logging.getLogger(__name__)
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def given_request_id(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The `x-request-id` value in a call's metadata, or None."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_HEADER:
+            return str(value)
+    return None
 
 
 def request_id_from(given: str | None) -> tuple[str, str]:

@@ -132,11 +132,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     def _request_id(self, context: grpc.aio.ServicerContext) -> Trailing:
         """The call's request id: set for log lines (the call's own task), on its server span, and
         in its trailing metadata, which an abort must be given again."""
-        given = None
-        for key, value in context.invocation_metadata() or ():
-            if key == logs.REQUEST_ID_HEADER:
-                given = value
-                break
+        given = logs.given_request_id(context.invocation_metadata())
         request_id, why = logs.request_id_from(given)
         logs.current_request_id.set(request_id)
         if why:

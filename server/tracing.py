@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from server.embedder import Embedded, EmbedJob
 
-SERVICE_NAME = "embedding-server"  # OTEL_SERVICE_NAME, read by the SDK, overrides it
+SERVICE_NAME = "embedding-server"  # unless OTEL_SERVICE_NAME (read by the SDK) names the service
 
 
 class RequestTracer:
@@ -35,7 +35,7 @@ class RequestTracer:
     child spans of an Embed."""
 
     def __init__(self, processor: SpanProcessor) -> None:
-        self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self.provider = TracerProvider(resource=_resource())
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer(__name__)
 
@@ -72,6 +72,14 @@ class RequestTracer:
     def shutdown(self) -> None:
         """Export what is still buffered."""
         self.provider.shutdown()
+
+
+def _resource() -> Resource:
+    """What the SDK finds (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES), named SERVICE_NAME if unnamed."""
+    found = Resource.create()
+    if str(found.attributes.get("service.name", "")).startswith("unknown_service"):
+        return found.merge(Resource({"service.name": SERVICE_NAME}))
+    return found
 
 
 def otlp_tracer(endpoint: str) -> RequestTracer:

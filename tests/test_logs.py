@@ -50,6 +50,15 @@ def test_the_request_id_given_is_returned_on_success_and_on_error(server):
     assert call(server, [FAULT], "failing-call-1") == (grpc.StatusCode.INTERNAL, "failing-call-1")
 
 
+def test_a_stream_gets_its_request_id_back_at_its_end(server):
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        items = [pb.EmbedStreamRequest(id="1", request=pb.EmbedRequest(texts=["hello"]))]
+        call = stub.EmbedStream(iter(items), metadata=[(logs.REQUEST_ID_HEADER, "stream-1")], timeout=30)
+        assert [answer.id for answer in call] == ["1"]
+        assert dict(call.trailing_metadata())[logs.REQUEST_ID_HEADER] == "stream-1"
+
+
 def test_a_request_id_is_made_up_when_absent_or_unusable(server):
     code, made_up = call(server, ["hello"])
     assert code == grpc.StatusCode.OK and len(made_up) == 32 and int(made_up, 16) >= 0

@@ -60,10 +60,13 @@ async def _traced(scenario: Scenario, tmp_path: Path) -> None:
         await engine_task
 
 
-async def embed(front: Front, texts: list[str], request_id: str) -> grpc.StatusCode:
+async def embed(
+    front: Front, texts: list[str], request_id: str, *metadata: tuple[str, str]
+) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
-        call = stub.Embed(pb.EmbedRequest(texts=texts), metadata=[(logs.REQUEST_ID_HEADER, request_id)])
+        metadata += ((logs.REQUEST_ID_HEADER, request_id),)
+        call = stub.Embed(pb.EmbedRequest(texts=texts), metadata=metadata)
         with contextlib.suppress(grpc.aio.AioRpcError):
             await call
         return await call.code()
@@ -97,13 +100,19 @@ async def an_embed_call(front: Front, exporter: InMemorySpanExporter) -> None:
     assert model_run.end_time - model_run.start_time > 10_000  # the real model: more than 10 us
 
 
+TRACE_ID, PARENT_ID = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+
+
 def test_a_refused_call_has_its_server_span_with_the_error_and_no_children(tmp_path):
     traced(a_refused_call, tmp_path)
 
 
 async def a_refused_call(front: Front, exporter: InMemorySpanExporter) -> None:
-    assert await embed(front, [], "refused-1") == grpc.StatusCode.INVALID_ARGUMENT
+    caller = ("traceparent", f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01")
+    assert await embed(front, [], "refused-1", caller) == grpc.StatusCode.INVALID_ARGUMENT
     (server,) = exporter.get_finished_spans()
+    assert server.context.trace_id == TRACE_ID and server.parent is not None
+    assert server.parent.span_id == PARENT_ID  # the caller's trace goes on
     assert server.attributes["request.id"] == "refused-1"
     assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -118,16 +127,24 @@ async def a_health_check(front: Front, exporter: InMemorySpanExporter) -> None:
     assert exporter.get_finished_spans() == ()
 
 
+def test_otel_service_name_names_the_service(monkeypatch):
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "embeddings-eu")
+    tracer = RequestTracer(SimpleSpanProcessor(InMemorySpanExporter()))
+    assert tracer.provider.resource.attributes["service.name"] == "embeddings-eu"
+
+
 def test_without_an_otlp_endpoint_there_is_no_tracer_and_opentelemetry_is_not_imported():
     assert start_tracing(ServerConfig()) is None
     code = "import server.front, sys; assert not [m for m in sys.modules if m.startswith('opentelemetry')]"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
-def test_with_an_otlp_endpoint_spans_go_to_an_otlp_exporter():
+def test_with_an_otlp_endpoint_spans_go_to_an_otlp_exporter(monkeypatch):
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     tracer = start_tracing(ServerConfig(otlp_endpoint="http://127.0.0.1:4317"))
     assert tracer is not None
     try:
+        assert tracer.provider.resource.attributes["service.name"] == "embedding-server"
         processor = tracer.provider._active_span_processor._span_processors[0]
         assert type(processor._batch_processor._exporter).__name__ == "OTLPSpanExporter"
     finally:
