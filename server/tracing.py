@@ -6,13 +6,15 @@ server span per call (health checks and reflection excepted), and each Embed get
 
     Embed (server span, rpc.* attributes and request.id)
     ├── tokenize     in this front, timed as it ran
-    ├── queue_wait   in the engine: from SUBMIT until its first batch started
-    └── model_run    in the engine: while at least one of its batches ran
+    ├── queue_wait   in the engine: the longest any of its inputs waited for a batch
+    └── model_run    in the engine: the time during which at least one of its batches ran
 
 The engine is another process with its own event loop; rather than carry trace context there and
 export from it too, the two engine spans are placed from the timings its RESULT reports (queue us,
-inference us), starting when the front sent SUBMIT. They are true durations, shifted by the one-way
-ZeroMQ transit (tens of microseconds), and cost the engine nothing.
+inference us), laid end to end from when the front sent SUBMIT and cut at when RESULT came back. They
+are the engine's durations, shifted by the one-way ZeroMQ transit (tens of microseconds), and cost the
+engine nothing; for a request split over several batches, which overlap waiting and running in the
+engine, end to end is an approximation.
 """
 
 from __future__ import annotations
