@@ -95,6 +95,7 @@ class Request:
     future: asyncio.Future[Done]
     enqueued: float
     deadline: float | None  # time.monotonic() value
+    tag: str = ""  # the caller's request id, for log lines (server/logs.py)
     offsets: np.ndarray = field(init=False)
     remaining: int = field(init=False)
     embeddings: np.ndarray | None = None
@@ -233,14 +234,15 @@ class Batcher:
             self.metrics.refused.inc()
             raise
 
-    def enqueue(self, rows: Rows, deadline: float | None = None) -> Request:
+    def enqueue(self, rows: Rows, deadline: float | None = None, tag: str = "") -> Request:
         """Queue one request's inputs; its future resolves when every input has its vectors.
 
         Cancelling the future (the caller went away) drops the inputs not yet computed.
         """
         assert len(rows) > 0
         self.check_capacity(len(rows))
-        request = Request(rows, asyncio.get_running_loop().create_future(), time.monotonic(), deadline)
+        future = asyncio.get_running_loop().create_future()
+        request = Request(rows, future, time.monotonic(), deadline, tag)
         self._queue.extend((request, i) for i in range(len(rows)))
         self._depth_changed()
         self._wakeup.set()
@@ -266,7 +268,11 @@ class Batcher:
             try:
                 await self._run_batch(batch)
             except Exception:  # a bug here must fail one batch, never stop the server
-                log.exception("batcher error; failing the %d inputs of this batch", len(batch))
+                log.exception(
+                    "batcher error; failing the %d inputs of this batch",
+                    len(batch),
+                    extra={"request_ids": _tags(batch)},
+                )
                 for request, _ in batch:
                     request.fail(BackendFailure("internal batching error"))
 
@@ -330,7 +336,11 @@ class Batcher:
         try:
             normalised, pooled = await self._in_worker(ids, lengths)
         except Exception:
-            log.exception("a batch of %d inputs failed; retrying its inputs one by one", len(batch))
+            log.exception(
+                "a batch of %d inputs failed; retrying its inputs one by one",
+                len(batch),
+                extra={"request_ids": _tags(batch)},
+            )
             self.metrics.batch_failures.inc()
             await self._run_singly(batch)
             return
@@ -351,6 +361,7 @@ class Batcher:
             try:
                 normalised, pooled = await self._in_worker(ids, lengths)
             except Exception as e:  # its caller may have gone while this input ran: fail() checks
+                log.warning("input %d failed alone too: %r", entry[1], e, extra={"request_id": request.tag})
                 request.fail(BackendFailure(f"model run failed for this input: {type(e).__name__}"))
                 continue
             run_s = time.monotonic() - started
@@ -385,3 +396,8 @@ class Batcher:
         m.tokens.inc(real)
         m.inputs.inc(len(batch))
         m.model_run_duration.observe(run_s)
+
+
+def _tags(batch: list[Entry]) -> list[str]:
+    """The request ids in a batch, each once, in order."""
+    return list(dict.fromkeys(request.tag for request, _ in batch if request.tag))

@@ -61,6 +61,9 @@ class ServerConfig:
     max_connection_age_s: float = 300.0
     metrics_address: str = "0.0.0.0:9464"
     log_level: str = "INFO"
+    log_format: str = "text"
+    # OpenTelemetry traces go to this OTLP/gRPC collector; empty: tracing off (server/tracing.py).
+    otlp_endpoint: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -98,6 +101,8 @@ class ServerConfig:
             )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
         if not 0.0 <= self.max_padding <= 1.0:
             raise ValueError(f"max_padding must be between 0 and 1, not {self.max_padding}")
         if self.precision not in ("auto", "fp32", "fp16", "int8"):
@@ -141,6 +146,10 @@ _HELP = {
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text or json (one JSON object per line); lines about a request carry its id",
+    "otlp_endpoint": (
+        "OTLP/gRPC collector for OpenTelemetry traces, e.g. http://localhost:4317 (empty: tracing off)"
+    ),
     "tls_cert": "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.budget import Budget, Hold
 from server.errors import InvalidInput, Overloaded
@@ -17,6 +18,9 @@ from server.metrics import Metrics
 from server.readiness import Readiness
 from server.tokenization import Prepared, RequestTokenizer, tokenizing_cost
 from server.transport import Answer, EngineClient
+
+if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
+    from server.tracing import RequestTracer
 
 # A single input of up to this many characters tokenizes in well under 100 us: less than handing it
 # to a worker thread and back costs. Anything more runs on the
@@ -33,6 +37,7 @@ class EmbedJob:
     truncate: bool = True
     normalize: bool = True
     deadline: float | None = None  # time.monotonic() by which the answer is due
+    request_id: str = ""  # the caller's or a made-up id (server/logs.py), for log lines and traces
 
     @property
     def count(self) -> int:
@@ -44,6 +49,8 @@ class Embedded:
     answer: Answer  # the engine's (n, D) vectors and timings
     prepared: Prepared  # the token arrays, for usage figures
     started: float  # time.perf_counter() when the job arrived
+    tokenizing: float  # time.perf_counter() when its tokenizing (or checking token ids) began, and ended
+    tokenized: float
 
 
 class Embedder:
@@ -56,6 +63,7 @@ class Embedder:
         budget: Budget,
         request_bytes: Budget,
         tokenizer_threads: int = 1,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engine = engine
@@ -63,6 +71,7 @@ class Embedder:
         self.readiness = readiness
         self.budget = budget
         self.request_bytes = request_bytes
+        self.tracer = tracer
         self.text_chars_seen = 0  # characters of text received, for front.reclaim_memory()
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
@@ -82,13 +91,20 @@ class Embedder:
             raise InvalidInput("set either `texts` or `token_ids`, not both")
         self.tokenizer.check_count(job.count)
         self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
+        tokenizing = time.perf_counter()
         prepared = await self._prepare(job)
         if received is not None:
             received.release()
+        tokenized = time.perf_counter()
         if cut := int(prepared.truncated.sum()):
             self.metrics.truncated.inc(cut)
-        answer = await self.engine.embed(prepared.lengths, prepared.ids, job.deadline, job.normalize)
-        return Embedded(answer, prepared, started)
+        answer = await self.engine.embed(
+            prepared.lengths, prepared.ids, job.deadline, job.normalize, job.request_id
+        )
+        embedded = Embedded(answer, prepared, started, tokenizing, tokenized)
+        if self.tracer is not None:
+            self.tracer.record(job, embedded)
+        return embedded
 
     async def tokenize(self, texts: list[str], truncate: bool) -> Prepared:
         """Token ids and usage; with truncate=False the whole text (original_tokens exact)."""

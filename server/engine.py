@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from server import protocol
+from server import logs, protocol
 from server.backend import ModelRepository, OnnxBackend, open_repository
 from server.batcher import Batcher, BatchLimits, Done, Request, Rows
 from server.config import ServerConfig
@@ -157,7 +157,7 @@ class Engine:
     def _submit(self, identity: bytes, frames: list[bytes]) -> None:
         message = protocol.parse_submit(frames)
         try:
-            request = self.batcher.enqueue(Rows(message.lengths, message.ids), message.deadline)
+            request = self.batcher.enqueue(Rows(message.lengths, message.ids), message.deadline, message.tag)
         except ServiceError as e:
             self._channel.send([identity, *protocol.failure(message.request_id, e.code.value[0], str(e))])
             return
@@ -177,7 +177,7 @@ def _answer(message: protocol.Submit, future: asyncio.Future[Done]) -> list[Any]
     if isinstance(error, ServiceError):
         return protocol.failure(message.request_id, error.code.value[0], str(error))
     if error is not None:
-        log.error("request failed in the engine", exc_info=error)
+        log.error("request failed in the engine", exc_info=error, extra={"request_id": message.tag})
         return protocol.failure(message.request_id, INTERNAL, "internal error; see the server log")
     done = future.result()
     vectors = done.embeddings if message.normalize else done.pooled
@@ -218,6 +218,7 @@ def run_engine(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logs.configure(config.log_level, config.log_format)  # a spawned process starts unconfigured
 
     def publish_depth(value: int) -> None:
         depth.value = value

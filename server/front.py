@@ -20,7 +20,7 @@ import platform
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import onnxruntime
@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from model.repository import TOKENIZER_FILE, Manifest, read_manifest
 from model.tokenizer import Tokenizer
 from proto.embedding.v1 import embedding_pb2 as pb
-from server import __version__, protocol
+from server import __version__, logs, protocol
 from server.budget import request_bytes_budget, tokenizing_budget
 from server.config import ServerConfig
 from server.embedder import Embedder
@@ -42,6 +42,9 @@ from server.security import BearerAuth, load_token, server_credentials
 from server.service import EmbeddingService, register
 from server.tokenization import InputLimits, RequestTokenizer
 from server.transport import EngineClient
+
+if TYPE_CHECKING:
+    from server.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +118,16 @@ def build_info(
     )
 
 
-def create_front(config: ServerConfig, index: int, address: str, engine_address: str, depth: Any) -> Front:
-    """Build one front's gRPC server bound to `address` (not yet started; port 0 picks a free port)."""
+def create_front(
+    config: ServerConfig,
+    index: int,
+    address: str,
+    engine_address: str,
+    depth: Any,
+    tracer: RequestTracer | None = None,
+) -> Front:
+    """Build one front's gRPC server bound to `address` (not yet started; port 0 picks a free port);
+    with a tracer, every call is traced (server/tracing.py)."""
     metrics = Metrics()
     manifest = read_manifest(config.model_dir)
     max_tokens = manifest.config.max_seq_length
@@ -134,10 +145,12 @@ def create_front(config: ServerConfig, index: int, address: str, engine_address:
         readiness,
         tokenizing_budget(config.max_tokenizing_chars),
         request_bytes_budget(config.max_request_bytes_in_flight),
+        tracer=tracer,
     )
     service = EmbeddingService(embedder, pb.InfoResponse(), metrics, config.max_stream_in_flight)
     token = load_token(config.auth_token, config.auth_token_file)
-    interceptors = [BearerAuth(token, metrics)] if token else []
+    interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
+    interceptors += [BearerAuth(token, metrics)] if token else []
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
     register(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -224,9 +237,19 @@ class Place:
     events: Connection  # to the supervisor
 
 
+def start_tracing(config: ServerConfig) -> RequestTracer | None:
+    """Tracing when an OTLP endpoint is set; otherwise OpenTelemetry is never imported."""
+    if not config.otlp_endpoint:
+        return None
+    from server.tracing import otlp_tracer
+
+    return otlp_tracer(config.otlp_endpoint)
+
+
 async def serve_front(config: ServerConfig, place: Place) -> int:
     index = place.index
-    front = create_front(config, index, place.address, place.engine_address, place.depth)
+    tracer = start_tracing(config)
+    front = create_front(config, index, place.address, place.engine_address, place.depth, tracer)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     outcome = {"code": 0}
@@ -252,6 +275,8 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     starting.cancel()
     reclaiming.cancel()
     await drain(front, ENGINE_GONE if outcome["code"] else "the server is shutting down")
+    if tracer is not None:
+        await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
     return outcome["code"]
 
 
@@ -268,7 +293,4 @@ def run_front(config: ServerConfig, place: Place) -> None:
 
 
 def configure_logging(config: ServerConfig) -> None:
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s",
-    )
+    logs.configure(config.log_level, config.log_format)

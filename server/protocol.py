@@ -4,7 +4,7 @@ Each message is one ZeroMQ multipart message. Its first frame is a fixed struct 
 byte is the kind; arrays follow as raw little-endian frames (no per-input objects, no pickling):
 
     front -> engine  HELLO    header(front index)                     engine answers READY once warm
-    front -> engine  SUBMIT   header(request id, deadline, normalize, n), lengths int32 (n,), ids int32
+    front -> engine  SUBMIT   header(request id, deadline, normalize, n, tag), lengths int32 (n,), ids int32
     front -> engine  CANCEL   header(request id)                      drop its inputs before compute
     engine -> front  READY    header, JSON of the engine's facts (provider, precision, instances...)
     engine -> front  RESULT   header(request id, status, queue us, inference us), vectors float32 (n, D)
@@ -12,7 +12,9 @@ byte is the kind; arrays follow as raw little-endian frames (no per-input object
 
 The engine's ROUTER socket adds the front's identity in front of these frames; fronts use DEALER
 sockets. Deadlines are `time.monotonic()` values: CLOCK_MONOTONIC is one clock for every process on
-the machine. Status values are gRPC status code numbers (0 is OK).
+the machine. Status values are gRPC status code numbers (0 is OK). A request id is the front's own
+number for the call; its tag is the caller's `x-request-id` (server/logs.py), carried only so that the
+engine's log lines about the request name it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ OK = 0
 NO_DEADLINE = 0.0
 
 _HELLO = struct.Struct("<cI")  # kind, front index
-_SUBMIT = struct.Struct("<cQdBI")  # kind, request id, deadline, normalize, inputs
+TAG_BYTES = 128  # logs.MAX_REQUEST_ID_CHARS: printable ASCII, so no NUL inside
+_SUBMIT = struct.Struct(f"<cQdBI{TAG_BYTES}s")  # kind, request id, deadline, normalize, inputs, tag
 _CANCEL = struct.Struct("<cQ")  # kind, request id
 _RESULT = struct.Struct("<cQBQQ")  # kind, request id, status, queue us, inference us
 
@@ -58,6 +61,7 @@ class Submit:
     normalize: bool
     lengths: np.ndarray  # (n,) int32
     ids: np.ndarray  # (sum(lengths),) int32, the inputs' token ids one after another
+    tag: str = ""  # the caller's request id, for log lines
 
 
 @dataclass(frozen=True)
@@ -79,19 +83,27 @@ def hello(front: int) -> list[bytes]:
 
 
 def submit(
-    request_id: int, deadline: float | None, normalize: bool, lengths: np.ndarray, ids: np.ndarray
+    request_id: int,
+    deadline: float | None,
+    normalize: bool,
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    tag: str = "",
 ) -> list[Any]:
     assert lengths.dtype == np.int32 and ids.dtype == np.int32 and int(lengths.sum()) == ids.size
-    header = _SUBMIT.pack(SUBMIT, request_id, deadline or NO_DEADLINE, normalize, lengths.size)
+    encoded = tag.encode("ascii")
+    assert len(encoded) <= TAG_BYTES and b"\0" not in encoded, "a tag is checked by logs.request_id_from"
+    header = _SUBMIT.pack(SUBMIT, request_id, deadline or NO_DEADLINE, normalize, lengths.size, encoded)
     return [header, lengths, ids]
 
 
 def parse_submit(frames: list[bytes]) -> Submit:
-    _, request_id, deadline, normalize, n = _SUBMIT.unpack(frames[0])
+    _, request_id, deadline, normalize, n, tag = _SUBMIT.unpack(frames[0])
     lengths = np.frombuffer(frames[1], dtype=np.int32)
     ids = np.frombuffer(frames[2], dtype=np.int32)
     assert lengths.size == n and int(lengths.sum()) == ids.size, "malformed SUBMIT"
-    return Submit(request_id, deadline if deadline != NO_DEADLINE else None, bool(normalize), lengths, ids)
+    deadline = deadline if deadline != NO_DEADLINE else None
+    return Submit(request_id, deadline, bool(normalize), lengths, ids, tag.rstrip(b"\0").decode("ascii"))
 
 
 def cancel(request_id: int) -> list[bytes]:

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from proto.embedding.v1 import SERVICE_NAME
+from server import logs
 from server.metrics import Metrics
 
 PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
@@ -90,7 +91,9 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "missing or invalid bearer token (send metadata `authorization: Bearer <token>`)"
 
     async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        request_id, _ = logs.request_id_from(logs.given_request_id(context.invocation_metadata()))
+        trailing = ((logs.REQUEST_ID_HEADER, request_id),)  # as on the service's own refusals
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing)
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(

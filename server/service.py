@@ -1,7 +1,9 @@
 """The gRPC servicer, kept thin: protobuf -> EmbedJob -> Embedder (embedder.py) -> protobuf.
 
 Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
-a message that names the limit and the value.
+a message that names the limit and the value. Every call gets a request id (its `x-request-id`
+metadata, or a new one): log lines about the call carry it, and the caller gets it back in the
+trailing metadata whatever the outcome.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from google.protobuf.message import DecodeError, Message
 from proto.embedding.v1 import SERVICE_NAME
 from proto.embedding.v1 import embedding_pb2 as pb
 from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from server import logs
 from server.budget import Hold
 from server.embedder import Embedded, Embedder, EmbedJob
 from server.errors import InvalidInput, ServiceError
@@ -25,6 +28,8 @@ from server.metrics import Metrics, size_class
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Trailing = tuple[tuple[str, str], ...]
+REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
 
 
 M = TypeVar("M", bound=Message)
@@ -46,6 +51,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.info = info
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
+        self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
     # bytes before it is parsed, so a flood of 8 MB requests past it costs no parsing.
@@ -70,6 +76,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
+        self._request_id(context)
         try:
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
@@ -97,6 +104,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code, details, inputs = grpc.StatusCode.OK, "", 0
+        trailing = self._request_id(context)
         try:
             with self.embedder.receiving(len(data)) as held:
                 request = parse(message, data)
@@ -112,8 +120,28 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             code, details = grpc.StatusCode.INTERNAL, "internal error; see the server log"
         finally:
             self._record(method, code, started, inputs)
-        await context.abort(code, details)
+        await context.abort(code, details, trailing)
         raise AssertionError("unreachable: abort raises")
+
+    def _request_id(self, context: grpc.aio.ServicerContext) -> Trailing:
+        """The call's request id: set for log lines (the call's own task), on its server span, and
+        in its trailing metadata, which an abort must be given again."""
+        given = logs.given_request_id(context.invocation_metadata())
+        request_id, why = logs.request_id_from(given)
+        logs.current_request_id.set(request_id)
+        if why:
+            self._replaced(str(given), why)
+        if self.embedder.tracer is not None:
+            self.embedder.tracer.tag(request_id)
+        trailing = ((logs.REQUEST_ID_HEADER, request_id),)
+        context.set_trailing_metadata(trailing)
+        return trailing
+
+    def _replaced(self, given: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= REPLACED_ID_WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("x-request-id %.64r not used (%s): this call's id is made up", given, why)
 
     def _record(self, method: str, code: grpc.StatusCode, started: float, inputs: int = 0) -> None:
         self.metrics.in_flight.dec()
@@ -128,6 +156,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             truncate=request.truncate if request.HasField("truncate") else True,
             normalize=request.normalize if request.HasField("normalize") else True,
             deadline=deadline,
+            request_id=logs.current_request_id.get(),
         )
         return _response(await self.embedder.embed(job, held), request.format)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Answer:
     vectors: np.ndarray  # (n, D) float32
     queue_us: int
     inference_us: int
+    sent: float  # time.perf_counter() when SUBMIT left, and when RESULT came back: for tracing
+    received: float
 
 
 def error_for(status: int, message: str) -> ServiceError:
@@ -78,7 +81,7 @@ class EngineClient:
             raise
 
     async def embed(
-        self, lengths: np.ndarray, ids: np.ndarray, deadline: float | None, normalize: bool
+        self, lengths: np.ndarray, ids: np.ndarray, deadline: float | None, normalize: bool, tag: str = ""
     ) -> Answer:
         if self.gone:
             raise NotReady(self.gone)
@@ -86,8 +89,10 @@ class EngineClient:
         future: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            self._channel.send(protocol.submit(request_id, deadline, normalize, lengths, ids))
+            sent = time.perf_counter()
+            self._channel.send(protocol.submit(request_id, deadline, normalize, lengths, ids, tag))
             result = await future
+            received = time.perf_counter()
         except asyncio.CancelledError:
             if not self.gone:
                 self._channel.send(protocol.cancel(request_id))
@@ -97,7 +102,12 @@ class EngineClient:
         if result.status != protocol.OK:
             raise error_for(result.status, result.message)
         assert result.vectors is not None
-        return Answer(result.vectors, result.queue_us, result.inference_us)
+        return Answer(result.vectors, result.queue_us, result.inference_us, sent, received)
+
+    def close(self) -> None:
+        """Close the socket and its context (a context left with an open socket blocks at exit)."""
+        self._channel.close()
+        self._context.term()
 
     def engine_gone(self, reason: str) -> None:
         """Every waiting call and every later one gets UNAVAILABLE naming the reason."""

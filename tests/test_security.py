@@ -238,6 +238,15 @@ def test_a_refusal_does_not_echo_the_token_it_was_given(tls_server, pki):
     assert WRONG not in refused.value.details()
 
 
+def test_a_refused_token_still_gets_its_request_id_back(tls_server, pki):
+    with client(tls_server, Security(ca_cert=pki.ca, token=WRONG)) as c:
+        metadata = [*c.metadata, ("x-request-id", "no-token-1")]
+        with pytest.raises(grpc.RpcError) as refused:
+            c.stub.Info(pb.InfoRequest(), timeout=10, metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert dict(refused.value.trailing_metadata())["x-request-id"] == "no-token-1"
+
+
 def test_health_and_reflection_stay_open_without_the_token(tls_server, pki):
     credentials = grpc.ssl_channel_credentials(pki.ca.read_bytes())
     with grpc.secure_channel(tls_server.address, credentials) as channel:

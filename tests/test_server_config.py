@@ -20,6 +20,7 @@ FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
 SPECIAL = {
     "device": ("cpu", "cuda"),
     "log_level": ("DEBUG", "WARNING"),
+    "log_format": ("json", "text"),  # one value besides the default: the flag wins back to it
     "precision": ("fp32", "int8"),
     "max_padding": ("0.3", "0.7"),
 }
@@ -74,6 +75,7 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         (["--max-batch-size", "0"], {}, "max_batch_size must be at least 1, not 0"),
         (["--queue-limit", "-1"], {}, "queue_limit must be at least 1, not -1"),
         (["--device", "tpu"], {}, "device must be auto, cuda or cpu, not 'tpu'"),
+        ([], {"EMBED_LOG_FORMAT": "yaml"}, "log_format must be text or json, not 'yaml'"),
         ([], {"EMBED_DEVICE": "tpu"}, "device must be auto, cuda or cpu, not 'tpu'"),
         (["--max-batch-size", "many"], {}, "invalid int value: 'many'"),
         ([], {"EMBED_MAX_BATCH_SIZE": "many"}, "EMBED_MAX_BATCH_SIZE"),
