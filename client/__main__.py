@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ef.add_argument("--jsonl", action="store_true", help='input lines are {"id": ..., "text": "..."}')
     ef.add_argument("--resume", action="store_true", help="continue the rows already in --out")
     ef.add_argument("--batch-size", type=int, default=32, help="texts per request")
+    ef.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="UTF-8 bytes of text per request (below the server's --max-message-bytes)",
+    )
     ef.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ef.add_argument("--retries", type=int, default=10, help="per request, on RESOURCE_EXHAUSTED/UNAVAILABLE")
     ef.add_argument("--no-normalize", action="store_true")
@@ -90,7 +96,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 
 def bulk_job(args: argparse.Namespace) -> bulk.Job:
-    for name in ("batch_size", "concurrency"):
+    for name in ("batch_size", "concurrency", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise bulk.InputFileError(
                 f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
@@ -101,6 +107,7 @@ def bulk_job(args: argparse.Namespace) -> bulk.Job:
         jsonl=args.jsonl,
         resume=args.resume,
         batch_size=args.batch_size,
+        max_request_bytes=args.max_request_bytes,
         concurrency=args.concurrency,
         normalize=not args.no_normalize,
         backoff=bulk.Backoff(retries=max(args.retries, 0)),

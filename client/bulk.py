@@ -99,14 +99,30 @@ def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Recor
         yield Record(item["id"], text)
 
 
-def take(records: Iterator[Record], n: int) -> tuple[list[Record], InputFileError | None]:
-    """Up to n records, and the input error that cut the chunk short, if one did."""
+def chunks(
+    records: Iterator[Record], most: int, max_bytes: int
+) -> Iterator[tuple[list[Record], InputFileError | None]]:
+    """Requests' worth of records: up to `most` of them and `max_bytes` of UTF-8 text (at least one
+    each), so no request passes the server's message limit. The input error that ended the file, if
+    one did, comes with the last chunk."""
     chunk: list[Record] = []
+    size = 0
     try:
-        chunk.extend(itertools.islice(records, n))
+        for record in records:
+            cost = len(record.text) if record.text.isascii() else len(record.text.encode())
+            if chunk and size + cost > max_bytes:
+                yield chunk, None
+                chunk, size = [], 0
+            chunk.append(record)
+            size += cost
+            if len(chunk) == most:
+                yield chunk, None
+                chunk, size = [], 0
     except InputFileError as e:
-        return chunk, e
-    return chunk, None
+        yield chunk, e
+        return
+    if chunk:
+        yield chunk, None
 
 
 # Output.
@@ -316,6 +332,7 @@ async def run_pipeline(
     write: Callable[[list[Record], np.ndarray], None],
     batch_size: int,
     concurrency: int,
+    max_request_bytes: int = 1 << 20,
 ) -> None:
     """Up to `concurrency` requests in flight; results written in input order as the oldest completes.
     A bad input line ends the job after every row before it is written, so a resume starts at it."""
@@ -327,8 +344,9 @@ async def run_pipeline(
 
     try:
         error: InputFileError | None = None
+        source = chunks(records, batch_size, max_request_bytes)
         while error is None:
-            chunk, error = await asyncio.to_thread(take, records, batch_size)
+            chunk, error = await asyncio.to_thread(next, source, ([], None))
             if not chunk:
                 break
             if len(pending) >= concurrency:
@@ -350,6 +368,8 @@ class Job:
     jsonl: bool = False
     resume: bool = False
     batch_size: int = 32
+    # Text per request: half the server's default --max-message-bytes (2 MiB), for protobuf's framing.
+    max_request_bytes: int = 1 << 20
     concurrency: int = 16
     normalize: bool = True
     backoff: Backoff = Backoff()
@@ -392,7 +412,7 @@ async def run_job(job: Job, client: Embedder, dims: int, progress: Callable[[int
                     lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats
                 )
 
-            await run_pipeline(records, embed, write, job.batch_size, job.concurrency)
+            await run_pipeline(records, embed, write, job.batch_size, job.concurrency, job.max_request_bytes)
             complete = True
         finally:
             sink.close(complete)

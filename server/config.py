@@ -46,10 +46,13 @@ class ServerConfig:
     max_tokenizing_chars: int = 2 * 256 * 4096
     # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
     queue_limit: int = 4096
-    max_message_bytes: int = 8 * 1024 * 1024
-    # Bytes of requests received and not yet answered, per front process: bounds the event loop's
+    # 2 MiB, as text-embeddings-inference's payload limit: 256 texts of 8 kB, or 20 of 100 kB. At
+    # 8 MiB, 16 callers of the largest requests took one front to 820 MB (gRPC assembles each message
+    # before a handler sees it) and a probe's p99 past a second; at 2 MiB, 225 MB and ~200 ms.
+    max_message_bytes: int = 2 * 1024 * 1024
+    # Bytes of requests being parsed and tokenized, per front process: bounds the event loop's
     # parsing work and the memory requests hold (a refused request is not parsed).
-    max_request_bytes_in_flight: int = 32 * 1024 * 1024
+    max_request_bytes_in_flight: int = 8 * 1024 * 1024
     max_stream_in_flight: int = 64
     max_concurrent_streams: int = 1024
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).

@@ -263,3 +263,24 @@ def test_unavailable_and_resource_exhausted_are_retried_and_others_are_not():
     outcomes[:] = [error(grpc.StatusCode.UNAVAILABLE)] * 3
     with pytest.raises(grpc.aio.AioRpcError):  # retries spent: the last error is the job's
         asyncio.run(bulk.with_retries(call, backoff, stats))
+
+
+def test_chunks_stop_at_the_byte_budget_as_well_as_the_count():
+    texts = ["a" * 600, "é" * 300, "b" * 10, "c" * 2000, "d", "e", "f"]  # "é" is 2 bytes in UTF-8
+    records = iter(bulk.Record(i, t) for i, t in enumerate(texts))
+    got = [[r.id for r in chunk] for chunk, error in bulk.chunks(records, 3, 1000)]
+    # 600 + 600 > 1000; 600 + 10 fits; a 2000-byte text goes alone; then the count of 3 cuts
+    assert got == [[0], [1, 2], [3], [4, 5, 6]]
+
+
+def test_a_file_of_long_texts_fits_the_servers_message_limit(server, client, tmp_path):
+    """32 texts of 100 kB would be a 3.2 MB request, over the server's 2 MiB default: the job splits
+    by bytes and every row is written."""
+    texts = [f"{i} " + SHORT[i % len(SHORT)] * (100_000 // len(SHORT[i % len(SHORT)])) for i in range(40)]
+    texts = [t[:100_000] for t in texts]
+    path = tmp_path / "long.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "long.npy"
+    done = embed_file(server, str(path), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert_close(np.load(out), alone(client, texts))

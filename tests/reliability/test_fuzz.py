@@ -182,9 +182,9 @@ def edge_cases() -> list[Case]:
         embed(texts=["a" * big]),  # exactly the limit: embedded, truncated at 256 tokens
         embed(texts=["word " * (big // 5)], truncate=False),
         embed(texts=["a" * (big + 1)]),
-        embed(texts=["x" * 4_000_000]),  # 4 MB: under max_message_bytes, over max_text_chars
+        embed(texts=["x" * 1_500_000]),  # 1.5 MB: under max_message_bytes, over max_text_chars
         embed(texts=["x" * 9_000_000]),  # 9 MB: over max_message_bytes, refused by gRPC
-        Case("Tokenize", pb.TokenizeRequest(texts=["y" * 4_000_000]).SerializeToString()),
+        Case("Tokenize", pb.TokenizeRequest(texts=["y" * 1_500_000]).SerializeToString()),
         embed(texts=["a"] * LIMITS.max_inputs_per_request),
         embed(texts=["a"] * (LIMITS.max_inputs_per_request + 1)),
         embed(texts=["b"] * 5000),
