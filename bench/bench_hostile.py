@@ -49,14 +49,14 @@ def long_text(seed: int) -> str:
     return " ".join(rng.choice(WORDS, size=MAX_TEXT // 5))[:MAX_TEXT]
 
 
-TEXTS = [long_text(i) for i in range(TEXTS_PER_CALL)]  # made once: the load generator must not stall
+TEXTS = [long_text(i) for i in range(max(TEXTS_PER_CALL, 64))]  # made once: the load generator must not stall
 
 
 Call = Callable[[Any], Awaitable[Any]]
 
 
-EMBED = pb.EmbedRequest(texts=TEXTS)
-TOKENIZE = pb.TokenizeRequest(texts=TEXTS)
+EMBED = pb.EmbedRequest(texts=TEXTS[:TEXTS_PER_CALL])
+TOKENIZE = pb.TokenizeRequest(texts=TEXTS[:TEXTS_PER_CALL])
 STREAM = [
     pb.EmbedStreamRequest(id=str(i), request=pb.EmbedRequest(texts=TEXTS[8 * i : 8 * i + 8]))
     for i in range(8)
