@@ -40,7 +40,7 @@ TEXTS_PER_CALL = (ServerConfig().max_message_bytes - 4096) // (MAX_TEXT + 8)
 SECONDS = 30.0
 # A short queue: the model's backlog (and so the test's length) stays seconds, and excess work is
 # refused at once as it would be in production under such a flood.
-FLAGS = ("--queue-limit", str(4 * TEXTS_PER_CALL))
+FLAGS = ("--queue-limit", "320")
 WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "tempor"]
 
 
