@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import sys
 import time
 from collections import Counter
@@ -91,7 +92,6 @@ def embed_ids(stub: Any) -> Awaitable[Any]:
 async def flood(address: str, call: Call, seconds: float) -> tuple[Counter[str], list[float]]:
     """CALLERS callers repeating `call` for `seconds`, and a Tokenize probe every 100 ms."""
     codes: Counter[str] = Counter()
-    probes: list[float] = []
     stop_at = time.monotonic() + seconds
     options = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -104,26 +104,39 @@ async def flood(address: str, call: Call, seconds: float) -> tuple[Counter[str],
             except grpc.aio.AioRpcError as e:
                 codes[e.code().name] += 1
 
-    def probe() -> None:  # a thread of its own: the flood's event loop must not delay it
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.EmbeddingServiceStub(channel)
-            while time.monotonic() < stop_at:
-                started = time.monotonic()
-                try:
-                    stub.Tokenize(pb.TokenizeRequest(texts=["a short probe sentence"]), timeout=10)
-                    codes["probe OK"] += 1
-                except grpc.RpcError as e:  # refused at once is an answer too
-                    codes[f"probe {e.code().name}"] += 1
-                probes.append(time.monotonic() - started)
-                time.sleep(max(0.0, 0.1 - (time.monotonic() - started)))
-
     channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(4)]
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    prober = context.Process(target=probe, args=(address, stop_at, results), daemon=True)
+    prober.start()
     try:
-        await asyncio.gather(asyncio.to_thread(probe), *(caller(channels[i % 4]) for i in range(CALLERS)))
+        await asyncio.gather(*(caller(channels[i % 4]) for i in range(CALLERS)))
     finally:
         for channel in channels:
             await channel.close()
+    probe_codes, probes = await asyncio.to_thread(results.get)
+    prober.join()
+    codes.update(probe_codes)
     return codes, probes
+
+
+def probe(address: str, stop_at: float, results: Any) -> None:
+    """A process of its own: sharing the flood's interpreter (its GIL), a probe thread measured the
+    load generator's serialising of 2 MB requests as much as the server."""
+    codes: Counter[str] = Counter()
+    latencies: list[float] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            try:
+                stub.Tokenize(pb.TokenizeRequest(texts=["a short probe sentence"]), timeout=10)
+                codes["probe OK"] += 1
+            except grpc.RpcError as e:  # refused at once is an answer too
+                codes[f"probe {e.code().name}"] += 1
+            latencies.append(time.monotonic() - started)
+            time.sleep(max(0.0, 0.1 - (time.monotonic() - started)))
+    results.put((codes, latencies))
 
 
 def settled_rss(process: ServerProcess, seconds: float = 10.0) -> float:
