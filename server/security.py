@@ -53,6 +53,15 @@ def load_token(token: str, token_file: str) -> str | None:
     return token or None
 
 
+def bearer_matches(header: str, expected: bytes) -> bool:
+    """Whether an `authorization` value is `Bearer <expected>`, for gRPC metadata and HTTP headers.
+
+    The scheme is case-insensitive (RFC 7235 2.1); the token is compared in constant time.
+    """
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for embedding calls without `authorization: Bearer <token>`."""
 
@@ -64,11 +73,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         for key, value in metadata or ():
             if key == "authorization":
                 text = value if isinstance(value, str) else bytes(value).decode("latin-1")
-                scheme, _, given = text.partition(" ")
-                # The scheme is case-insensitive (RFC 7235 2.1); the token is compared in constant time.
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    given.strip().encode(), self._expected
-                )
+                return bearer_matches(text, self._expected)
         return False
 
     async def intercept_service(
