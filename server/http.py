@@ -62,6 +62,10 @@ STATUS: dict[type[ServiceError], tuple[int, str]] = {
     BackendFailure: (500, "server_error"),
     ServiceError: (500, "server_error"),
 }
+# The `method` label of embed_requests_total and embed_request_duration_seconds for HTTP calls, beside
+# the gRPC methods' names (/health is not counted: probes would drown the calls).
+EMBEDDINGS, MODELS = "http_embeddings", "http_models"
+METHODS = (EMBEDDINGS, MODELS)
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
 INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
@@ -138,7 +142,7 @@ class HttpApi:
             embedded = await self.embedder.embed(parsed.job)
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
-        return await self._serve("http_embeddings", request, embed, inputs)
+        return await self._serve(EMBEDDINGS, request, embed, inputs)
 
     async def models(self, request: Request) -> Response:
         async def listing() -> Response:
@@ -146,7 +150,7 @@ class HttpApi:
             model = {"id": card.id, "object": "model", "created": card.created, "owned_by": card.owned_by}
             return json_response({"object": "list", "data": [model]})
 
-        return await self._serve("http_models", request, listing, [0])
+        return await self._serve(MODELS, request, listing, [0])
 
     async def health(self, request: Request) -> Response:
         readiness = self.embedder.readiness
