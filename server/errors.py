@@ -7,6 +7,8 @@ ServiceError
  +-- Overloaded         RESOURCE_EXHAUSTED  the queue is full; retry later
  +-- NotReady           UNAVAILABLE         warming up or draining; retry (on another replica)
  +-- Dropped            DEADLINE_EXCEEDED   the deadline passed while the input waited in the queue
+ +-- ClientGone         CANCELLED           the HTTP client disconnected before its answer (gRPC
+ |                                          cancels the handler itself)
  +-- BackendFailure     INTERNAL            the model run of its batch failed
 """
 
@@ -42,6 +44,10 @@ class NotReady(ServiceError):
 
 class Dropped(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ClientGone(ServiceError):
+    code = grpc.StatusCode.CANCELLED
 
 
 class BackendFailure(ServiceError):

@@ -37,6 +37,7 @@ from server.config import ServerConfig
 from server.embedder import Embedded, Embedder, EmbedJob
 from server.errors import (
     BackendFailure,
+    ClientGone,
     Dropped,
     InvalidInput,
     NotReady,
@@ -59,6 +60,7 @@ STATUS: dict[type[ServiceError], tuple[int, str]] = {
     Overloaded: (429, "rate_limit_error"),
     NotReady: (503, "service_unavailable_error"),
     Dropped: (504, "timeout_error"),
+    ClientGone: (499, "client_closed_request"),  # nginx's status; nobody is left to read it
     BackendFailure: (500, "server_error"),
     ServiceError: (500, "server_error"),
 }
@@ -139,7 +141,7 @@ class HttpApi:
         async def embed() -> Response:
             parsed = parse_embeddings(await read_body(request, self.max_body), self.card)
             inputs[0] = parsed.job.count
-            embedded = await self.embedder.embed(parsed.job)
+            embedded = await embed_while_connected(self.embedder, parsed.job, request)
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
         return await self._serve(EMBEDDINGS, request, embed, inputs)
@@ -275,6 +277,28 @@ def _kind(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
         type(value), type(value).__name__
     )
+
+
+async def embed_while_connected(embedder: Embedder, job: EmbedJob, request: Request) -> Embedded:
+    """The job's vectors; if the client disconnects first, the job is cancelled, so that the engine
+    drops its inputs before compute (as when a gRPC caller cancels)."""
+    work = asyncio.ensure_future(embedder.embed(job))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone("the client disconnected before its answer")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read: uvicorn's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def embeddings_body(embedded: Embedded, as_base64: bool, model: str) -> dict[str, Any]:

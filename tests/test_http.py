@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -264,6 +265,26 @@ def test_a_full_queue_is_refused_with_429_naming_the_limit(held_server, grpc_cli
         held_server, "embed_requests_total", method="http_embeddings", code="RESOURCE_EXHAUSTED"
     )
     assert refusals == len(refused)
+
+
+def test_a_client_that_disconnects_has_its_inputs_dropped_before_compute(held_server):
+    url = held_server.http_url + "/v1/embeddings"
+
+    def post(text: str, timeout: float) -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(url, json={"input": [text]}, timeout=timeout)
+
+    holds = [threading.Thread(target=post, args=(HOLD_TEXT, 60)) for _ in range(2)]
+    for hold in holds:  # one after the other: each takes a model instance for seconds
+        hold.start()
+        time.sleep(0.5)
+    dropped = metric(held_server, "embed_inputs_dropped_total", reason="cancelled")
+    post("waits behind the holds, and its caller gives up", timeout=1.0)
+    for hold in holds:
+        hold.join(60)
+    code = "CANCELLED"
+    assert metric(held_server, "embed_requests_total", method="http_embeddings", code=code) == 1
+    assert metric(held_server, "embed_inputs_dropped_total", reason="cancelled") - dropped == 1
 
 
 def test_drain_answers_503_at_once_and_finishes_the_request_in_flight(held_server, grpc_client):
