@@ -208,17 +208,23 @@ async def load_http(
     )  # fmt: skip
 
 
-def run_http_levels(flags: list[str], texts: list[str], seconds: float) -> list[Row]:
-    """Each level over gRPC, then over HTTP in each format, on one server."""
+def run_http_levels(flags: list[str], texts: list[str], seconds: float, http_first: bool) -> list[Row]:
+    """Each level over gRPC and over HTTP in each format, on one server; rows in that order whichever
+    ran first (repeats alternate it, so a slow spell of the shared machine favours neither)."""
     server = start_server(*flags, metrics=False).wait_serving()
     try:
         rows = []
         for concurrency, per_request in HTTP_PLAN:
-            row = asyncio.run(load(server.address, texts, concurrency, per_request, seconds))
-            rows.append(_named(row, "gRPC"))
-            for fmt in HTTP_FORMATS[per_request]:
-                row = asyncio.run(load_http(server.http_url, texts, concurrency, per_request, seconds, fmt))
-                rows.append(_named(row, f"HTTP {fmt}"))
+            runs = [("gRPC", "")] + [(f"HTTP {fmt}", fmt) for fmt in HTTP_FORMATS[per_request]]
+            level = []
+            for setup, fmt in runs[::-1] if http_first else runs:
+                url = server.http_url
+                if fmt:
+                    row = asyncio.run(load_http(url, texts, concurrency, per_request, seconds, fmt))
+                else:
+                    row = asyncio.run(load(server.address, texts, concurrency, per_request, seconds))
+                level.append(_named(row, setup))
+            rows += level[::-1] if http_first else level
         return rows
     finally:
         server.stop()
@@ -313,7 +319,7 @@ def main() -> None:
     args = p.parse_args()
     texts = sentences(args.data_dir)
     big_queue = ["--queue-limit", "16384", "--model-dir", str(args.model_dir)]
-    http = best_of([run_http_levels(big_queue, texts, args.seconds) for _ in range(args.repeats)])
+    http = best_of([run_http_levels(big_queue, texts, args.seconds, i % 2 == 1) for i in range(args.repeats)])
     print(http_table(http))
     if args.http_only:
         write_report(args.out, {"http": [asdict(r) for r in http]})
