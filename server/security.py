@@ -1,7 +1,8 @@
 """TLS credentials and optional bearer-token authentication.
 
 Health and reflection stay open so that probes and tooling work without the token; only the
-embedding service's methods require it. The token is compared in constant time and never logged.
+embedding service's methods require it (and HTTP's /v1/*, server/http.py, with the same comparison).
+The token is compared in constant time and never logged.
 """
 
 from __future__ import annotations
