@@ -7,7 +7,8 @@
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
    (`python -m tests.stand_in_server instant`, never startable from `python -m server`), with 1 and
    2 front processes: requests/s, sentences/s, and the server's CPU time per request and per sentence,
-   summed from /proc over every server process (not wall time).
+   summed from /proc over every server process (not wall time); over gRPC, then over HTTP
+   (POST /v1/embeddings, base64) on the same server.
 3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
    1 and 32 sentences per request, and the unbatched server), with 1 and 2 fronts.
 Writes markdown to stdout and JSON to build/bench/front.json.
@@ -32,7 +33,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import Row, ceiling, load, sentences, table
+from bench_server import Row, ceiling, load, load_http, sentences, table
 
 from proto.embedding.v1 import SERVICE_NAME
 from tests.server_process import start_server
@@ -70,12 +71,16 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def measure(
-    setup: str, fronts: int, pid: int, address: str, texts: list[str], seconds: float
+    setup: str, fronts: int, pid: int, address: str, texts: list[str], seconds: float, http: bool = False
 ) -> list[Capacity]:
+    """Server CPU per request at each level; over gRPC at `address`, or over HTTP (base64) at it."""
     result = []
     for concurrency, per_request in LEVELS:
         before = tree_cpu_seconds(pid)
-        row = asyncio.run(load(address, texts, concurrency, per_request, seconds))
+        if http:
+            row = asyncio.run(load_http(address, texts, concurrency, per_request, seconds, "base64"))
+        else:
+            row = asyncio.run(load(address, texts, concurrency, per_request, seconds))
         cpu = tree_cpu_seconds(pid) - before
         requests = row.requests + row.errors
         result.append(
@@ -91,10 +96,10 @@ def measure(
 def stand_in(model_dir: Path, fronts: int, texts: list[str], seconds: float) -> list[Capacity]:
     flags = ["--model-dir", str(model_dir), "--queue-limit", "16384", "--front-processes", str(fronts)]
     server = start_server(*flags, metrics=False, entry=STAND_IN).wait_serving()
+    setup, pid = f"stand-in model, {fronts} front(s)", server.proc.pid
     try:
-        return measure(
-            f"stand-in model, {fronts} front(s)", fronts, server.proc.pid, server.address, texts, seconds
-        )
+        over_grpc = measure(setup, fronts, pid, server.address, texts, seconds)
+        return over_grpc + measure(f"{setup}, HTTP", fronts, pid, server.http_url, texts, seconds, http=True)
     finally:
         server.stop()
 

@@ -1,12 +1,13 @@
 """The supervisor: one engine process, N front processes on one port, one /metrics; signals and deaths.
 
     python -m server  ->  supervisor ─┬─ engine   (batcher + ONNX Runtime; the only process on the device)
-                                      ├─ front 0  (gRPC: validate, tokenize, respond) ─┐
-                                      └─ front N-1                                     ┴─ one port
+                                      ├─ front 0  (gRPC + HTTP: validate, tokenize, respond) ─┐
+                                      └─ front N-1                                            ┴─ one port each
 
 Fronts talk to the engine over ZeroMQ on a Unix socket (protocol.py). The supervisor reserves the
-port (SO_REUSEPORT, so every front can bind it, and port 0 resolves once for all), serves /metrics
-summed over every process (prometheus_client's multiprocess mode), and watches its children:
+gRPC port and the HTTP port (SO_REUSEPORT, so every front can bind them, and port 0 resolves once for
+all), serves /metrics summed over every process (prometheus_client's multiprocess mode), and
+watches its children:
 - SIGTERM or SIGINT: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
   exit 0.
 - a front that dies is started again on the same port (capacity never shrinks silently);
@@ -20,11 +21,10 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -37,7 +37,7 @@ from model.repository import CUDA_PROVIDER
 from server.backend import usable_cores, wanted_providers
 from server.config import ServerConfig
 from server.engine import BackendFactory, onnx_backend, run_engine
-from server.front import Place, configure_logging, run_front
+from server.front import Place, configure_logging, reuseport_socket, run_front
 from server.security import load_token, server_credentials
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,16 @@ def plan_fronts(config: ServerConfig, cores: int) -> int:
 @contextmanager
 def reserved_port(address: str) -> Iterator[str]:
     """Hold `address`'s port (resolving port 0) with SO_REUSEPORT while the fronts bind it too."""
-    host, _, port = address.rpartition(":")
-    bare = host.strip("[]")
-    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((bare or "0.0.0.0", int(port)))
-        yield f"{host}:{sock.getsockname()[1]}"
+    with reuseport_socket(address) as sock:
+        yield f"{address.rpartition(':')[0]}:{sock.getsockname()[1]}"
+
+
+@contextmanager
+def reserved_ports(config: ServerConfig) -> Iterator[tuple[str, str]]:
+    """The gRPC address and the HTTP address ("" when off), each with a concrete port, held."""
+    http = reserved_port(config.http_address) if config.http_address else nullcontext("")
+    with reserved_port(config.address) as address, http as http_address:
+        yield address, http_address
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Supervisor:
     run_dir: Path
     address: str
     fronts_wanted: int
+    http_address: str = ""
     context: Any = field(default_factory=lambda: multiprocessing.get_context("spawn"))
     engine: BaseProcess | None = None
     fronts: dict[int, BaseProcess] = field(default_factory=dict)
@@ -120,7 +124,9 @@ class Supervisor:
     def start_front(self, index: int) -> None:
         assert self.engine is not None and self.engine.pid is not None
         receive, send = self.context.Pipe(duplex=False)
-        place = Place(index, self.address, self.engine_address, self.engine.pid, self.depth, send)
+        place = Place(
+            index, self.address, self.http_address, self.engine_address, self.engine.pid, self.depth, send
+        )
         front = self.context.Process(target=run_front, args=(self.config, place), name=f"front-{index}")
         front.start()
         self.fronts[index] = front
@@ -220,14 +226,14 @@ def check_security(config: ServerConfig) -> None:
 def serve(config: ServerConfig, backend_factory: BackendFactory = onnx_backend) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1)."""
     check_security(config)
-    with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_port(config.address) as address:
+    with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:
         metrics_dir = Path(run_dir) / "metrics"
         metrics_dir.mkdir()
         # Read by prometheus_client when each child imports it: every process records into files there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        supervisor = Supervisor(
-            config, backend_factory, Path(run_dir), address, plan_fronts(config, usable_cores())
-        )
+        address, http_address = addresses
+        fronts = plan_fronts(config, usable_cores())
+        supervisor = Supervisor(config, backend_factory, Path(run_dir), address, fronts, http_address)
         return _supervise(supervisor, metrics_dir)
 
 
@@ -250,6 +256,8 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
             registry = scrape_registry(metrics_dir, supervisor.pids)
             port = serve_metrics(registry, supervisor.config.metrics_address)
             log.info("metrics on :%d/metrics", port)
+        if supervisor.http_address:
+            log.info("http on port %s", supervisor.http_address.rpartition(":")[2])
         code = supervisor.watch(wakeup_read, stop)
         if code == 0:
             log.info("signal received: draining for up to %.0fs", supervisor.config.drain_timeout_s)

@@ -26,6 +26,8 @@ ENV_PREFIX = "EMBED_"
 @dataclass(frozen=True)
 class ServerConfig:
     address: str = "0.0.0.0:50051"
+    # OpenAI-compatible HTTP API (server/http.py) beside gRPC, on the same engine; empty: off.
+    http_address: str = "0.0.0.0:8080"
     model_dir: Path = Path("build/model")
     device: Device = "auto"
     # auto: the provider's first graph (fp32 on the CPU); int8 is an opt-in on the CPU provider.
@@ -116,6 +118,10 @@ class ServerConfig:
 
 _HELP = {
     "address": "gRPC listen address host:port (port 0 picks a free port)",
+    "http_address": (
+        "HTTP listen address host:port of the OpenAI-compatible /v1/embeddings, /v1/models and /health "
+        "(port 0 picks a free port; empty: off)"
+    ),
     "model_dir": "model repository written by `python -m export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
@@ -130,7 +136,7 @@ _HELP = {
         "beyond it requests get RESOURCE_EXHAUSTED"
     ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
-    "max_message_bytes": "largest gRPC message received or sent",
+    "max_message_bytes": "largest gRPC message received or sent, and largest HTTP request body",
     "max_request_bytes_in_flight": (
         "bytes of requests received and not yet answered per front process; beyond it requests get "
         "RESOURCE_EXHAUSTED before they are parsed (at least max_message_bytes)"
@@ -142,7 +148,7 @@ _HELP = {
     ),
     "threads": "ONNX Runtime intra-op threads per instance (0: usable cores / instances)",
     "front_processes": (
-        "gRPC front processes (validate, tokenize, respond) sharing the port over one engine "
+        "front processes (gRPC and HTTP: validate, tokenize, respond) sharing the port over one engine "
         "(0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
     ),
     "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
@@ -153,10 +159,12 @@ _HELP = {
     "otlp_endpoint": (
         "OTLP/gRPC collector for OpenTelemetry traces, e.g. http://localhost:4317 (empty: tracing off)"
     ),
-    "tls_cert": "PEM certificate chain: serve gRPC over TLS (with --tls-key)",
+    "tls_cert": "PEM certificate chain: serve gRPC and HTTP over TLS (with --tls-key)",
     "tls_key": "PEM private key for --tls-cert",
     "tls_client_ca": "PEM CA bundle: require client certificates signed by it (mutual TLS)",
-    "auth_token": "require `authorization: Bearer <token>` on embedding calls (health stays open)",
+    "auth_token": (
+        "require `authorization: Bearer <token>` on embedding calls, gRPC and HTTP (health stays open)"
+    ),
     "auth_token_file": "file holding the bearer token (preferred over the env var)",
 }
 
@@ -173,7 +181,9 @@ def _from_env(environ: Mapping[str, str], env: str, kind: type) -> Any:
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m server", description="Batched gRPC embedding server.")
+    parser = argparse.ArgumentParser(
+        prog="python -m server", description="Batched gRPC and HTTP embedding server."
+    )
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)

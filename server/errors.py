@@ -2,9 +2,13 @@
 
 ServiceError
  +-- InvalidInput       INVALID_ARGUMENT    the request breaks a limit; message names it and the value
+ |    +-- TooLarge       INVALID_ARGUMENT    an HTTP body over max_message_bytes (HTTP 413)
+ +-- Unauthenticated    UNAUTHENTICATED     a missing or wrong bearer token
  +-- Overloaded         RESOURCE_EXHAUSTED  the queue is full; retry later
  +-- NotReady           UNAVAILABLE         warming up or draining; retry (on another replica)
  +-- Dropped            DEADLINE_EXCEEDED   the deadline passed while the input waited in the queue
+ +-- ClientGone         CANCELLED           the HTTP client disconnected before its answer (gRPC
+ |                                          cancels the handler itself)
  +-- BackendFailure     INTERNAL            the model run of its batch failed
 """
 
@@ -21,6 +25,15 @@ class InvalidInput(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class TooLarge(InvalidInput):
+    """An HTTP request body over the size limit: the client's error, like any invalid input, but HTTP
+    has a status of its own for it (413). gRPC refuses an oversize message itself."""
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -31,6 +44,10 @@ class NotReady(ServiceError):
 
 class Dropped(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ClientGone(ServiceError):
+    code = grpc.StatusCode.CANCELLED
 
 
 class BackendFailure(ServiceError):

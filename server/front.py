@@ -1,10 +1,12 @@
-"""A front process: the gRPC server (validation, tokenization, responses) over the one engine.
+"""A front process: the gRPC server and the HTTP API (validation, tokenization, responses) over the one
+engine.
 
-Several fronts serve one port (SO_REUSEPORT: the kernel spreads connections over them). Each listens
-at once with health NOT_SERVING, says HELLO to the engine, and serves once the engine answers that
-it is warm. SIGTERM drains it: NOT_SERVING at once, a moment for clients' health watches to move
-new calls elsewhere, then accepted calls finish within the drain timeout. If the engine process
-ends, every waiting call gets UNAVAILABLE at once and the front exits non-zero.
+Several fronts serve one port per protocol (SO_REUSEPORT: the kernel spreads connections over them).
+Each listens at once with health NOT_SERVING (HTTP /health 503), says HELLO to the engine, and serves
+once the engine answers that it is warm. SIGTERM drains it: NOT_SERVING at once, a moment for
+clients' health watches to move new calls elsewhere, then accepted calls (gRPC and HTTP) finish
+within the drain timeout. If the engine process ends, every waiting call gets UNAVAILABLE at once
+and the front exits non-zero.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import multiprocessing
 import os
 import platform
 import signal
+import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -28,7 +31,7 @@ import tokenizers
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from model.repository import TOKENIZER_FILE, Manifest, read_manifest
+from model.repository import MANIFEST_FILE, TOKENIZER_FILE, Manifest, read_manifest
 from model.tokenizer import Tokenizer
 from proto.embedding.v1 import embedding_pb2 as pb
 from server import __version__, logs, protocol
@@ -36,6 +39,7 @@ from server.budget import request_bytes_budget, tokenizing_budget
 from server.config import ServerConfig
 from server.embedder import Embedder
 from server.health import SERVICE_NAME, new_health
+from server.http import HttpApi, HttpListener, ModelCard, http_listener
 from server.metrics import Metrics
 from server.readiness import Readiness
 from server.security import BearerAuth, load_token, server_credentials
@@ -63,6 +67,7 @@ class Front:
     engine: EngineClient
     readiness: Readiness
     manifest: Manifest
+    http: HttpListener | None = None
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -118,16 +123,42 @@ def build_info(
     )
 
 
+def reuseport_socket(address: str) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port."""
+    host, _, port = address.rpartition(":")
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP;
+    # without it a response's header and body writes met delayed ACKs (40 ms per HTTP call).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((bare or "0.0.0.0", int(port)))
+    return sock
+
+
+def model_card(config: ServerConfig, manifest: Manifest) -> ModelCard:
+    created = int((config.model_dir / MANIFEST_FILE).stat().st_mtime)
+    return ModelCard(manifest.model_id, created, manifest.config.hidden_size)
+
+
+def create_http(config: ServerConfig, address: str, embedder: Embedder, manifest: Manifest) -> HttpListener:
+    """The HTTP API over the same Embedder as gRPC, on `address` (not yet started)."""
+    token = load_token(config.auth_token, config.auth_token_file)
+    api = HttpApi(embedder, embedder.metrics, model_card(config, manifest), token, config.max_message_bytes)
+    return http_listener(api, reuseport_socket(address), config)
+
+
 def create_front(
     config: ServerConfig,
     index: int,
     address: str,
     engine_address: str,
     depth: Any,
+    http_address: str = "",
     tracer: RequestTracer | None = None,
 ) -> Front:
-    """Build one front's gRPC server bound to `address` (not yet started; port 0 picks a free port);
-    with a tracer, every call is traced (server/tracing.py)."""
+    """Build one front's gRPC server bound to `address` and, given `http_address`, its HTTP API (not yet
+    started; port 0 picks a free port); with a tracer, every gRPC call is traced (server/tracing.py)."""
     metrics = Metrics()
     manifest = read_manifest(config.model_dir)
     max_tokens = manifest.config.max_seq_length
@@ -162,13 +193,16 @@ def create_front(
         port = server.add_insecure_port(address)
     else:
         port = server.add_secure_port(address, credentials)
-    return Front(config, server, port, service, engine, readiness, manifest)
+    http = create_http(config, http_address, embedder, manifest) if http_address else None
+    return Front(config, server, port, service, engine, readiness, manifest, http)
 
 
 async def start(front: Front) -> protocol.EngineFacts:
     """Listen at once (health answers NOT_SERVING), wait for the engine to be warm, then serve."""
     await front.readiness.not_serving("the model is warming up")
     await front.server.start()
+    if front.http is not None:
+        front.http.start()
     front.engine.connect()
     facts = await front.engine.hello()
     vocab = front.service.embedder.tokenizer.vocab_size
@@ -183,7 +217,10 @@ async def drain(front: Front, reason: str = "the server is shutting down") -> No
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first.
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
-    await front.server.stop(front.config.drain_timeout_s)
+    stopping = [front.server.stop(front.config.drain_timeout_s)]
+    if front.http is not None:
+        stopping.append(front.http.stop())
+    await asyncio.gather(*stopping)
 
 
 RECLAIM_EVERY_S = 1.0
@@ -231,6 +268,7 @@ class Place:
 
     index: int
     address: str
+    http_address: str  # "" when HTTP is off
     engine_address: str
     engine_pid: int
     depth: Any  # the engine's published queue depth (a shared value)
@@ -249,7 +287,9 @@ def start_tracing(config: ServerConfig) -> RequestTracer | None:
 async def serve_front(config: ServerConfig, place: Place) -> int:
     index = place.index
     tracer = start_tracing(config)
-    front = create_front(config, index, place.address, place.engine_address, place.depth, tracer)
+    front = create_front(
+        config, index, place.address, place.engine_address, place.depth, place.http_address, tracer
+    )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     outcome = {"code": 0}

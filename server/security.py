@@ -1,7 +1,8 @@
 """TLS credentials and optional bearer-token authentication.
 
 Health and reflection stay open so that probes and tooling work without the token; only the
-embedding service's methods require it. The token is compared in constant time and never logged.
+embedding service's methods require it (and HTTP's /v1/*, server/http.py, with the same comparison).
+The token is compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def load_token(token: str, token_file: str) -> str | None:
     return token or None
 
 
+def bearer_matches(header: str, expected: bytes) -> bool:
+    """Whether an `authorization` value is `Bearer <expected>`, for gRPC metadata and HTTP headers.
+
+    The scheme is case-insensitive (RFC 7235 2.1); the token is compared in constant time.
+    """
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for embedding calls without `authorization: Bearer <token>`."""
 
@@ -65,11 +75,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         for key, value in metadata or ():
             if key == "authorization":
                 text = value if isinstance(value, str) else bytes(value).decode("latin-1")
-                scheme, _, given = text.partition(" ")
-                # The scheme is case-insensitive (RFC 7235 2.1); the token is compared in constant time.
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    given.strip().encode(), self._expected
-                )
+                return bearer_matches(text, self._expected)
         return False
 
     async def intercept_service(

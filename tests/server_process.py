@@ -27,6 +27,7 @@ from tests.stand_in_server import HOLD_TEXT
 ROOT = Path(__file__).resolve().parents[1]
 _GRPC_PORT = re.compile(r"serving .* on port (\d+)")
 _METRICS_PORT = re.compile(r"metrics on :(\d+)/metrics")
+_HTTP_PORT = re.compile(r"http on port (\d+)")
 _ENGINE_PID = re.compile(r"engine pid (\d+)")
 
 
@@ -45,6 +46,7 @@ class ServerProcess:
     lines: list[str] = field(default_factory=list)
     port: int | None = None
     metrics_port: int | None = None
+    http_port: int | None = None
     engine_pid: int | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
 
@@ -52,12 +54,19 @@ class ServerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base URL (OpenAI clients take it with /v1 appended)."""
+        return f"http://127.0.0.1:{self.http_port}"
+
     def _pump(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
             if m := _METRICS_PORT.search(line):
                 self.metrics_port = int(m.group(1))
+            if m := _HTTP_PORT.search(line):
+                self.http_port = int(m.group(1))
             if m := _GRPC_PORT.search(line):
                 self.port = int(m.group(1))
                 self.engine_pid = int(m2.group(1)) if (m2 := _ENGINE_PID.search(line)) else None
@@ -142,10 +151,11 @@ async def one_instance_held(address: str) -> AsyncIterator[None]:
 def start_server(
     *args: str, metrics: bool = True, env: dict[str, str] | None = None, entry: Sequence[str] = ("server",)
 ) -> ServerProcess:
-    """Start `python -m server` (or another entry) on 127.0.0.1:0 with the built model; call
-    wait_serving() to block."""
+    """Start `python -m server` (or another entry) on 127.0.0.1:0 with the built model, HTTP too (never
+    on the default port 8080); call wait_serving() to block."""
     cmd = [sys.executable, "-m", *entry, "--address", "127.0.0.1:0", "--model-dir", str(model_dir())]
     cmd += ["--metrics-address", "127.0.0.1:0" if metrics else ""]
+    cmd += ["--http-address", "127.0.0.1:0"]
     cmd += list(args)
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(

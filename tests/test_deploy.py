@@ -287,6 +287,7 @@ def start_image_command(extra: list[str] | None = None) -> ServerProcess:
         "EMBED_MODEL_DIR": str(model_dir()),
         "EMBED_ADDRESS": "127.0.0.1:0",
         "EMBED_METRICS_ADDRESS": "127.0.0.1:0",
+        "EMBED_HTTP_ADDRESS": "127.0.0.1:0",  # never the default :8080 on a shared machine
     }
     # The image's WORKDIR holds server/, client/, model/ and proto/ as this checkout does.
     proc = subprocess.Popen(

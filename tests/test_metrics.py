@@ -26,6 +26,7 @@ from client.client import EmbeddingClient, embed_request
 from proto.embedding.v1 import embedding_pb2 as pb
 from server.batcher import Batcher, BatchLimits, Done, Rows
 from server.errors import Dropped, Overloaded
+from server.http import METHODS as HTTP_METHODS
 from server.metrics import Metrics
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server
@@ -70,7 +71,7 @@ DEFAULT_COLLECTOR_SAMPLES = (
     "python_gc_collections_total",
 )
 # Every label's values come from a closed set: a label taking a request's data would be unbounded.
-METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].methods}
+METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].methods} | set(HTTP_METHODS)
 BOUNDED = {
     "method": METHODS,
     "code": {c.name for c in grpc.StatusCode},
@@ -326,7 +327,8 @@ def assert_labels_bounded(text: str) -> None:
 
 @pytest.fixture(scope="module")
 def served(model_dir: object) -> Iterator[Served]:
-    """A real server after one call of each kind, one of them invalid and one truncated; and its scrape."""
+    """A real server after one call of each kind (gRPC's and HTTP's embeddings), one of them invalid and
+    one truncated; and its scrape."""
     server = start_server().wait_serving()
     try:
         assert server.metrics_port is not None
@@ -337,6 +339,9 @@ def served(model_dir: object) -> Iterator[Served]:
             with pytest.raises(grpc.RpcError) as e:
                 client.embed_response(embed_request([]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        http = f"http://127.0.0.1:{server.http_port}/v1/embeddings"
+        with urllib.request.urlopen(http, data=b'{"input": "over HTTP"}', timeout=30) as answer:
+            assert answer.status == 200
         yield server, info, settled_scrape(server.metrics_port)
     finally:
         server.stop()
@@ -362,7 +367,9 @@ def test_live_scrape_counts_the_calls_made(served: Served) -> None:
     assert get("embed_requests_total", method="Embed", code="INVALID_ARGUMENT") == 1
     assert get("embed_requests_total", method="Tokenize", code="OK") == 1
     assert get("embed_requests_total", method="Info", code="OK") == 1
-    assert get("embed_inputs_total") == 2
+    assert get("embed_requests_total", method="http_embeddings", code="OK") == 1
+    assert get("embed_request_duration_seconds_count", method="http_embeddings", size="1") == 1
+    assert get("embed_inputs_total") == 3
     assert get("embed_inputs_truncated_total") == 1
     assert 0 < get("embed_tokens_total") <= get("embed_batch_tokens_total")
     assert get("embed_request_duration_seconds_count", method="Embed", size="2-8") == 1

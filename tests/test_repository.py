@@ -55,7 +55,7 @@ def edited(model_dir: Path, tmp_path: Path) -> Callable[[Callable[[dict[str, Any
 
 def serve(model_dir: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "server", "--model-dir", str(model_dir), "--address", "127.0.0.1:0"]
-    command += ["--metrics-address", ""]
+    command += ["--metrics-address", "", "--http-address", ""]  # no "... on port" lines: stderr is the error
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 

@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import json
 import secrets
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 from cryptography import x509
@@ -165,6 +167,44 @@ def test_a_client_that_trusts_the_ca_embeds_over_tls(tls_server, pki):
     with client(tls_server, Security(ca_cert=pki.ca, token=TOKEN)) as c:
         vectors = c.embed(["over TLS"])
     assert vectors.shape == (1, 384) and np.isfinite(vectors).all()
+
+
+def https(server: ServerProcess, path: str) -> str:
+    return f"https://127.0.0.1:{server.http_port}{path}"
+
+
+def test_http_is_served_over_the_same_tls_with_the_same_token(tls_server, pki):
+    trusting = ssl.create_default_context(cafile=str(pki.ca))
+    with httpx.Client(verify=trusting, timeout=30) as c:
+        ok = c.post(https(tls_server, "/v1/embeddings"), json={"input": "over TLS"}, headers=bearer(TOKEN))
+        wrong = c.post(https(tls_server, "/v1/embeddings"), json={"input": "a"}, headers=bearer(WRONG))
+        health = c.get(https(tls_server, "/health"))
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 384
+    assert wrong.status_code == 401 and WRONG not in wrong.text
+    assert health.status_code == 200
+    with pytest.raises(httpx.HTTPError):  # an untrusted certificate
+        httpx.get(https(tls_server, "/health"), timeout=10)
+    with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+        httpx.get(f"http://127.0.0.1:{tls_server.http_port}/health", timeout=10)
+
+
+def test_http_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(mtls_server, pki):
+    def context(cert: Path | None, key: Path | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        if cert is not None and key is not None:
+            ctx.load_cert_chain(cert, key)
+        return ctx
+
+    body, headers = {"input": "mutual"}, bearer(TOKEN)
+    with httpx.Client(verify=context(pki.client_cert, pki.client_key), timeout=30) as c:
+        assert c.post(https(mtls_server, "/v1/embeddings"), json=body, headers=headers).status_code == 200
+    for cert, key in ((None, None), (pki.rogue_cert, pki.rogue_key)):
+        with httpx.Client(verify=context(cert, key), timeout=10) as c, pytest.raises(httpx.HTTPError):
+            c.post(https(mtls_server, "/v1/embeddings"), json=body, headers=headers)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def test_the_certificate_is_checked_against_server_name_when_given(tls_server, pki):

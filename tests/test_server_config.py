@@ -89,7 +89,7 @@ def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, mess
 
 def run_server(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--metrics-address", ""]
-    command += ["--model-dir", str(model_dir()), *args]
+    command += ["--http-address", "127.0.0.1:0", "--model-dir", str(model_dir()), *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -113,6 +113,7 @@ def reference(model_dir: Path) -> np.ndarray:
 def test_server_serves_a_real_embed_call_without_torch(image, model_dir: Path) -> None:
     app, env = image
     command = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--metrics-address", ""]
+    command += ["--http-address", "127.0.0.1:0"]  # never the default :8080 on a shared machine
     proc = subprocess.Popen(
         [*command, "--model-dir", str(model_dir.resolve())],
         cwd=app,

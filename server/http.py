@@ -1,0 +1,392 @@
+"""The HTTP API, kept thin: OpenAI's embeddings request -> EmbedJob -> Embedder (embedder.py) -> JSON.
+
+    POST /v1/embeddings   OpenAI's shapes: `input` a string, strings, or token ids; float or base64
+    GET  /v1/models       the one model served
+    GET  /health          200 while serving; 503 while warming up or draining (never needs the token)
+
+It shares everything with gRPC (one queue, one set of limits, one budget, the same vectors) because
+both call the same Embedder. Starlette on uvicorn runs on the front's own event loop beside the
+gRPC server; every front binds the same port (SO_REUSEPORT). Errors take OpenAI's shape
+(`{"error": {"message", "type", "param", "code"}}`), their HTTP status mapped in one place (`STATUS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server import logs
+from server.budget import Hold
+from server.config import ServerConfig
+from server.embedder import Embedded, Embedder, EmbedJob
+from server.errors import (
+    BackendFailure,
+    ClientGone,
+    Dropped,
+    InvalidInput,
+    NotReady,
+    Overloaded,
+    ServiceError,
+    TooLarge,
+    Unauthenticated,
+)
+from server.metrics import Metrics, size_class
+from server.security import bearer_matches
+
+log = logging.getLogger(__name__)
+
+# The one place where errors become HTTP statuses and OpenAI error types, most specific class first
+# (TooLarge is an InvalidInput). gRPC's code, lower-cased, is the error's `code`.
+STATUS: dict[type[ServiceError], tuple[int, str]] = {
+    TooLarge: (413, "invalid_request_error"),
+    InvalidInput: (400, "invalid_request_error"),
+    Unauthenticated: (401, "authentication_error"),
+    Overloaded: (429, "rate_limit_error"),
+    NotReady: (503, "service_unavailable_error"),
+    Dropped: (504, "timeout_error"),
+    ClientGone: (499, "client_closed_request"),  # nginx's status; nobody is left to read it
+    BackendFailure: (500, "server_error"),
+    ServiceError: (500, "server_error"),
+}
+# The `method` label of embed_requests_total and embed_request_duration_seconds for HTTP calls, beside
+# the gRPC methods' names (/health is not counted: probes would drown the calls).
+EMBEDDINGS, MODELS = "http_embeddings", "http_models"
+METHODS = (EMBEDDINGS, MODELS)
+UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
+INTERNAL = "internal error; see the server log"
+FORMATS = ("float", "base64")
+_INT64 = 1 << 63
+
+
+class InvalidField(InvalidInput):
+    """An invalid request field, which OpenAI's error names in `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The served model as /v1/models shows it and responses name it."""
+
+    id: str
+    created: int  # Unix seconds: when the model repository was written
+    dimensions: int
+
+    @property
+    def owned_by(self) -> str:
+        return self.id.partition("/")[0] if "/" in self.id else "minilm-embed"
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    job: EmbedJob
+    base64: bool
+
+
+def json_response(body: object, status: int = 200) -> Response:
+    content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(content, status, media_type="application/json")
+
+
+def status_of(error: ServiceError) -> tuple[int, str]:
+    return next(STATUS[cls] for cls in type(error).__mro__ if cls in STATUS)
+
+
+def error_response(error: ServiceError) -> Response:
+    status, kind = status_of(error)
+    param = error.param if isinstance(error, InvalidField) else None
+    body = {"message": str(error), "type": kind, "param": param, "code": error.code.name.lower()}
+    return json_response({"error": body}, status)
+
+
+class HttpApi:
+    def __init__(
+        self, embedder: Embedder, metrics: Metrics, card: ModelCard, token: str | None, max_body: int
+    ) -> None:
+        self.embedder = embedder
+        self.metrics = metrics
+        self.card = card
+        self.max_body = max_body
+        self._token = token.encode() if token else None
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+
+    async def embeddings(self, request: Request) -> Response:
+        inputs = [0]  # for the latency's size class, once the body is read
+
+        async def embed() -> Response:
+            body = await read_body(request, self.max_body)
+            # Held against the front's request bytes while parsed and tokenized, as gRPC's are.
+            with self.embedder.receiving(len(body)) as held:
+                parsed = parse_embeddings(body, self.card)
+                job = dataclasses.replace(parsed.job, request_id=logs.current_request_id.get())
+                inputs[0] = job.count
+                embedded = await embed_while_connected(self.embedder, job, request, held)
+            return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
+
+        return await self._serve(EMBEDDINGS, request, embed, inputs)
+
+    async def models(self, request: Request) -> Response:
+        async def listing() -> Response:
+            card = self.card
+            model = {"id": card.id, "object": "model", "created": card.created, "owned_by": card.owned_by}
+            return json_response({"object": "list", "data": [model]})
+
+        return await self._serve(MODELS, request, listing, [0])
+
+    async def health(self, request: Request) -> Response:
+        readiness = self.embedder.readiness
+        if readiness.ready:
+            return json_response({"status": "serving"})
+        return json_response({"status": "not serving", "reason": readiness.reason}, 503)
+
+    async def _serve(
+        self, method: str, request: Request, handler: Callable[[], Awaitable[Response]], inputs: list[int]
+    ) -> Response:
+        """Run one call: the single place where its errors become responses and it is counted."""
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        code = grpc.StatusCode.OK
+        request_id = self._request_id(request)
+        try:
+            self._authorize(request)
+            response = await handler()
+        except ServiceError as e:
+            code = e.code
+            response = error_response(e)
+        except Exception:
+            log.exception("%s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            response = error_response(BackendFailure(INTERNAL))
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(method, code.name).inc()
+            duration = time.perf_counter() - started
+            self.metrics.request_duration.labels(method, size_class(inputs[0])).observe(duration)
+        response.headers[logs.REQUEST_ID_HEADER] = request_id
+        return response
+
+    @staticmethod
+    def _request_id(request: Request) -> str:
+        """The call's id, as gRPC's (server/logs.py): the caller's `x-request-id` if usable, else a
+        new one; on every log line about the call and in the response's `x-request-id` header."""
+        request_id, why = logs.request_id_from(request.headers.get(logs.REQUEST_ID_HEADER))
+        logs.current_request_id.set(request_id)
+        if why:
+            log.debug("x-request-id not used (%s): this call's id is made up", why)
+        return request_id
+
+    def _authorize(self, request: Request) -> None:
+        if self._token is not None and not bearer_matches(
+            request.headers.get("authorization", ""), self._token
+        ):
+            raise Unauthenticated(UNAUTHENTICATED)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    error = {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": None}
+    return json_response({"error": error}, exc.status_code)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes: by its Content-Length before reading any of it,
+    else as soon as the bytes read pass the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body has {declared} bytes, over the limit max_message_bytes={limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(
+                f"the request body has more than {limit} bytes, over the limit max_message_bytes={limit}"
+            )
+    return bytes(body)
+
+
+def parse_embeddings(body: bytes, card: ModelCard) -> EmbeddingsRequest:
+    try:
+        fields = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise InvalidInput(f"the request body must be a JSON object, not {_kind(fields)}")
+    if "input" not in fields:
+        raise InvalidField("input", "`input` is required: a string, a list of strings, or token ids")
+    if not isinstance(fields.get("model", ""), str):
+        raise InvalidField("model", f"`model` must be a string, not {_kind(fields['model'])}")
+    check_dimensions(fields.get("dimensions"), card)
+    texts, token_ids = parse_input(fields["input"])
+    return EmbeddingsRequest(EmbedJob(texts, token_ids), parse_format(fields.get("encoding_format")))
+
+
+def parse_input(value: object) -> tuple[list[str], list[list[int]]]:
+    """(texts, token ids), one of them empty: OpenAI's four shapes of `input`."""
+    if isinstance(value, str):
+        return [value], []
+    if not isinstance(value, list):
+        raise InvalidField("input", f"`input` must be a string or a list, not {_kind(value)}")
+    if not value:
+        raise InvalidField("input", "`input` is an empty list: send at least one input")
+    if all(isinstance(v, str) for v in value):
+        return value, []
+    if all(type(v) is int for v in value):
+        return [], [_token_ids(value, 0)]
+    if all(isinstance(v, list) for v in value):
+        return [], [_token_ids(row, i) for i, row in enumerate(value)]
+    raise InvalidField(
+        "input",
+        "`input` mixes kinds of items: send a list of strings, a list of token ids (integers), "
+        "or a list of lists of token ids",
+    )
+
+
+def _token_ids(row: list[Any], i: int) -> list[int]:
+    if not all(type(t) is int and -_INT64 <= t < _INT64 for t in row):
+        raise InvalidField("input", f"input {i}: token ids must be integers")
+    return row
+
+
+def check_dimensions(value: object, card: ModelCard) -> None:
+    if value is None or (type(value) is int and value == card.dimensions):
+        return
+    raise InvalidField(
+        "dimensions",
+        f"`dimensions` is {value!r}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
+        f"send {card.dimensions} or leave it out",
+    )
+
+
+def parse_format(value: object) -> bool:
+    """Whether the vectors go back base64-encoded (little-endian float32), not as lists of floats."""
+    if value is None or value in FORMATS:
+        return value == "base64"
+    raise InvalidField("encoding_format", f"`encoding_format` is {value!r}; it must be float or base64")
+
+
+def _kind(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+async def embed_while_connected(
+    embedder: Embedder, job: EmbedJob, request: Request, held: Hold | None = None
+) -> Embedded:
+    """The job's vectors; if the client disconnects first, the job is cancelled, so that the engine
+    drops its inputs before compute (as when a gRPC caller cancels)."""
+    work = asyncio.ensure_future(embedder.embed(job, held))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone("the client disconnected before its answer")
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is read: uvicorn's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def embeddings_body(embedded: Embedded, as_base64: bool, model: str) -> dict[str, Any]:
+    """OpenAI's response from the engine's one (n, D) array; orjson writes the float rows itself."""
+    vectors = embedded.answer.vectors.astype("<f4", copy=False)
+    rows: list[Any] = [_b64(v) for v in vectors] if as_base64 else list(vectors)
+    data = [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)]
+    tokens = int(embedded.prepared.lengths.sum())
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _b64(vector: np.ndarray) -> str:
+    return base64.b64encode(vector.tobytes()).decode("ascii")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers: the front owns SIGTERM and drains both APIs."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpListener:
+    """uvicorn serving the API on a socket bound by the front (SO_REUSEPORT, as gRPC's)."""
+
+    server: uvicorn.Server
+    sock: socket.socket
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+
+    async def stop(self) -> None:
+        """Stop accepting, close idle connections, let requests in flight finish (within the
+        graceful timeout, after which uvicorn cancels them)."""
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+def http_listener(api: HttpApi, sock: socket.socket, config: ServerConfig) -> HttpListener:
+    settings = uvicorn.Config(
+        api.app(),
+        http="h11",
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
+        **_tls(config),
+    )
+    return HttpListener(_Server(settings), sock)
+
+
+def _tls(config: ServerConfig) -> dict[str, Any]:
+    """The gRPC server's TLS settings, for uvicorn: the same certificate, the same client CA."""
+    if not config.tls_cert:
+        return {}
+    tls: dict[str, Any] = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        tls |= {"ssl_ca_certs": config.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return tls

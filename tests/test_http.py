@@ -1,0 +1,327 @@
+"""The HTTP API end to end, through the clients people use: OpenAI's Python package and LangChain's
+OpenAIEmbeddings, against real `python -m server` processes with the real model.
+
+What each test holds true: the same vectors as gRPC from the same server (one engine, one queue),
+OpenAI's request and response shapes, errors in OpenAI's shape with the HTTP status matching gRPC's
+and a message naming the limit and the value, /health following the drain, and the same metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from langchain_openai import OpenAIEmbeddings
+
+from client.client import EmbeddingClient, Security
+from tests.server_process import ServerProcess, fault_entry, flags, serving
+from tests.stand_in_server import HOLD_TEXT
+from tests.test_server import DIMENSIONS, LONG, SHORT, assert_close, metric
+
+TOKEN = "http-test-token"
+MAX_INPUTS = 64
+MAX_BODY = 1_000_000
+MAIN_FLAGS = {
+    "auth_token": TOKEN,
+    "max_inputs_per_request": MAX_INPUTS,
+    "max_message_bytes": MAX_BODY,
+    "max_batch_size": 16,
+}
+TEXTS = [*SHORT[:12], LONG]  # LONG is truncated at 256 tokens, on both protocols
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with serving(*flags(MAIN_FLAGS)) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server: ServerProcess) -> Iterator[EmbeddingClient]:
+    with EmbeddingClient(server.address, timeout=60, security=Security(token=TOKEN)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_vectors(grpc_client: EmbeddingClient) -> np.ndarray:
+    return grpc_client.embed(TEXTS)
+
+
+def openai_client(server: ServerProcess, key: str = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.http_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def create(server: ServerProcess, **kwargs: object) -> openai.types.CreateEmbeddingResponse:
+    return openai_client(server).embeddings.create(model="all-MiniLM-L6-v2", **kwargs)  # type: ignore[arg-type]
+
+
+# Vectors: the same as gRPC's ----------------------------------------------------------------------
+
+
+def test_openai_float_vectors_equal_grpc_and_usage_counts_the_tokens(server, grpc_client, grpc_vectors):
+    response = create(server, input=TEXTS, encoding_format="float")
+    got = np.array([d.embedding for d in response.data], dtype=np.float32)
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    assert_close(got, grpc_vectors)
+    grpc_tokens = sum(len(t.ids) for t in grpc_client.tokenize(TEXTS).tokens)
+    assert response.usage.prompt_tokens == response.usage.total_tokens == grpc_tokens
+    assert response.model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert response.object == "list" and response.data[0].object == "embedding"
+
+
+def test_openai_base64_vectors_are_little_endian_float32_equal_to_grpc(server, grpc_vectors):
+    response = create(server, input=TEXTS, encoding_format="base64")
+    raw = [base64.b64decode(d.embedding) for d in response.data]  # type: ignore[arg-type]
+    got = np.stack([np.frombuffer(r, dtype="<f4") for r in raw])
+    assert got.shape == (len(TEXTS), DIMENSIONS)
+    assert_close(got, grpc_vectors)
+
+
+def test_openai_default_format_is_decoded_by_the_client_to_the_same_vectors(server, grpc_vectors):
+    response = create(server, input=TEXTS[0])  # the client asks for base64 and decodes it itself
+    assert_close(np.array([response.data[0].embedding]), grpc_vectors[:1])
+
+
+def test_token_id_inputs_equal_text_inputs(server, grpc_client, grpc_vectors):
+    ids = [list(t.ids) for t in grpc_client.tokenize(TEXTS[:3]).tokens]
+    many = create(server, input=ids, encoding_format="float")
+    one = create(server, input=ids[0], encoding_format="float")
+    assert_close(np.array([d.embedding for d in many.data]), grpc_vectors[:3])
+    assert_close(np.array([one.data[0].embedding]), grpc_vectors[:1])
+    assert many.usage.total_tokens == sum(map(len, ids))
+
+
+def test_dimensions_equal_to_the_models_is_accepted(server, grpc_vectors):
+    response = create(server, input=TEXTS[:1], dimensions=DIMENSIONS, encoding_format="float")
+    assert_close(np.array([response.data[0].embedding]), grpc_vectors[:1])
+
+
+def test_langchain_openai_embeddings_equal_grpc(server, grpc_vectors):
+    # check_embedding_ctx_length=False: send the texts, not tiktoken's token arrays (another vocabulary).
+    embeddings = OpenAIEmbeddings(
+        model="all-MiniLM-L6-v2",
+        base_url=server.http_url + "/v1",
+        api_key=TOKEN,  # type: ignore[arg-type]
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    documents = np.array(embeddings.embed_documents(TEXTS))
+    query = np.array([embeddings.embed_query(TEXTS[1])])
+    assert_close(documents, grpc_vectors)
+    assert_close(query, grpc_vectors[1:2])
+
+
+def test_a_lone_call_is_not_held_by_delayed_acks(server):
+    """Without TCP_NODELAY on the front's connections, every call waited ~40 ms for a delayed ACK
+    between the response's header and body writes (a 1-input call takes well under 20 ms here)."""
+    body = {"input": ["hello world"], "encoding_format": "base64"}
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+        c.post(server.http_url + "/v1/embeddings", json=body)  # connect
+        times = []
+        for _ in range(15):
+            started = time.perf_counter()
+            c.post(server.http_url + "/v1/embeddings", json=body).raise_for_status()
+            times.append(time.perf_counter() - started)
+    assert np.median(times) < 0.035, f"median {np.median(times) * 1000:.1f} ms"
+
+
+def test_models_lists_the_served_model(server):
+    models = openai_client(server).models.list().data
+    assert [m.id for m in models] == ["sentence-transformers/all-MiniLM-L6-v2"]
+    assert models[0].owned_by == "sentence-transformers"
+    assert 1_600_000_000 < models[0].created <= time.time()
+
+
+# Errors: OpenAI's shape, the status matching gRPC's, the limit and the value named ------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        ({"input": ["a"] * (MAX_INPUTS + 1)}, None, ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"]),
+        ({"input": []}, "input", ["empty list"]),
+        ({"input": [""]}, None, ["input 0 is an empty string"]),
+        ({"input": ["a", 7]}, "input", ["mixes"]),
+        ({"input": [[101, "x"]]}, "input", ["input 0", "integers"]),
+        ({"input": [[101, 999_999]]}, None, ["999999", "[0, 30522)"]),
+        ({"input": {"text": "a"}}, "input", ["an object"]),
+        ({"input": "a", "dimensions": 128}, "dimensions", ["128", f"{DIMENSIONS}"]),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format", ["'hex'", "float or base64"]),
+        ({"model": "m"}, "input", ["`input` is required"]),
+    ],
+)
+def test_invalid_requests_get_400_in_openais_shape_naming_the_limit(server, body, param, named):
+    response = httpx.post(
+        server.http_url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
+    assert error["param"] == param
+    for part in named:
+        assert part in error["message"], error["message"]
+
+
+def test_openai_raises_bad_request_naming_the_limit(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        create(server, input=["a"] * (MAX_INPUTS + 1))
+    assert e.value.status_code == 400
+    assert f"max_inputs_per_request={MAX_INPUTS}" in e.value.message
+
+
+def test_a_body_over_the_limit_is_refused_with_413(server):
+    with pytest.raises(openai.APIStatusError) as e:
+        create(server, input="word " * (MAX_BODY // 5))
+    assert e.value.status_code == 413
+    assert f"max_message_bytes={MAX_BODY}" in e.value.message
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while read
+        yield b'{"input": "'
+        yield from [b"x" * 100_000] * 11
+
+    response = httpx.post(server.http_url + "/v1/embeddings", content=chunks(), headers=headers)
+    assert response.status_code == 413
+    assert f"more than {MAX_BODY} bytes" in response.json()["error"]["message"]
+
+
+def test_a_wrong_or_missing_token_gets_401_and_health_stays_open(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai_client(server, key="wrong").embeddings.create(model="m", input="a")
+    assert e.value.status_code == 401
+    assert "bearer token" in e.value.message
+    for path in ("/v1/embeddings", "/v1/models"):
+        response = httpx.request(
+            "POST" if "emb" in path else "GET", server.http_url + path, json={"input": "a"}
+        )
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.http_url + "/health").status_code == 200
+
+
+def test_every_answer_carries_the_request_id_given_or_made_up(server):
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    url = server.http_url + "/v1/embeddings"
+    given = httpx.post(url, json={"input": "a"}, headers={**auth, "x-request-id": "job-42/row-7"})
+    assert given.status_code == 200 and given.headers["x-request-id"] == "job-42/row-7"
+    refused = httpx.post(url, json={"input": []}, headers={**auth, "x-request-id": "bad-one"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-one"
+    made_up = httpx.post(url, json={"input": "a"}, headers={**auth, "x-request-id": "x" * 129})
+    assert len(made_up.headers["x-request-id"]) == 32  # a uuid4's hex: the given one was too long
+    unauthenticated = httpx.post(url, json={"input": "a"})
+    assert unauthenticated.status_code == 401 and unauthenticated.headers["x-request-id"]
+
+
+def test_unknown_paths_and_methods_answer_in_openais_shape(server):
+    assert httpx.get(server.http_url + "/v1/nothing").json()["error"]["message"] == "Not Found"
+    assert httpx.get(server.http_url + "/v1/embeddings").status_code == 405
+
+
+def test_metrics_count_http_calls_beside_grpc(server):
+    def count(code: str) -> float:
+        return metric(server, "embed_requests_total", method="http_embeddings", code=code)
+
+    before = {code: count(code) for code in ("OK", "INVALID_ARGUMENT", "UNAUTHENTICATED")}
+    create(server, input=["a", "b"])
+    with pytest.raises(openai.BadRequestError):
+        create(server, input=[])
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(server, key="wrong").embeddings.create(model="m", input="a")
+    after = {code: count(code) for code in before}
+    assert {code: after[code] - before[code] for code in before} == {
+        "OK": 1,
+        "INVALID_ARGUMENT": 1,
+        "UNAUTHENTICATED": 1,
+    }
+    sized = metric(server, "embed_request_duration_seconds_count", method="http_embeddings", size="2-8")
+    assert sized >= 1
+    assert metric(server, "embed_requests_in_flight") == 0
+
+
+# Overload and drain: one queue with gRPC, one drain ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def held_server() -> Iterator[ServerProcess]:
+    """A tiny queue, and HOLD_TEXT holding its batch for seconds (tests/stand_in_server.py)."""
+    settings = {"queue_limit": 4, "max_batch_size": 4, "drain_timeout_s": 30}
+    with serving(*flags(settings), entry=fault_entry("__fault__")) as process:
+        yield process
+
+
+async def _embed_at_once(url: str, texts: list[str], times: int) -> list[object]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as c:
+        calls = [c.embeddings.create(model="m", input=texts) for _ in range(times)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def test_a_full_queue_is_refused_with_429_naming_the_limit(held_server, grpc_client):
+    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(3)]  # 3 of the 4 queue places each
+    outcomes = asyncio.run(_embed_at_once(held_server.http_url, texts, 30))
+    refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    answered = [o for o in outcomes if isinstance(o, openai.types.CreateEmbeddingResponse)]
+    assert refused and answered and len(refused) + len(answered) == 30, outcomes
+    assert all("queue_limit is 4" in e.message and e.status_code == 429 for e in refused)
+    assert refused[0].body["code"] == "resource_exhausted"  # type: ignore[index]
+    want = grpc_client.embed(texts)
+    for response in answered:
+        assert_close(np.array([d.embedding for d in response.data]), want)
+    refusals = metric(
+        held_server, "embed_requests_total", method="http_embeddings", code="RESOURCE_EXHAUSTED"
+    )
+    assert refusals == len(refused)
+
+
+def test_a_client_that_disconnects_has_its_inputs_dropped_before_compute(held_server):
+    url = held_server.http_url + "/v1/embeddings"
+
+    def post(text: str, timeout: float) -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(url, json={"input": [text]}, timeout=timeout)
+
+    holds = [threading.Thread(target=post, args=(HOLD_TEXT, 60)) for _ in range(2)]
+    for hold in holds:  # one after the other: each takes a model instance for seconds
+        hold.start()
+        time.sleep(0.5)
+    dropped = metric(held_server, "embed_inputs_dropped_total", reason="cancelled")
+    post("waits behind the holds, and its caller gives up", timeout=1.0)
+    for hold in holds:
+        hold.join(60)
+    code = "CANCELLED"
+    assert metric(held_server, "embed_requests_total", method="http_embeddings", code=code) == 1
+    assert metric(held_server, "embed_inputs_dropped_total", reason="cancelled") - dropped == 1
+
+
+def test_drain_answers_503_at_once_and_finishes_the_request_in_flight(held_server, grpc_client):
+    """Last in this module: it stops the held server."""
+    url = held_server.http_url
+    outcome: dict[str, object] = {}
+
+    def held_call() -> None:
+        outcome["response"] = httpx.post(url + "/v1/embeddings", json={"input": [HOLD_TEXT]}, timeout=60)
+
+    caller = threading.Thread(target=held_call)
+    caller.start()
+    time.sleep(1.0)  # the held input is computing (for seconds)
+    held_server.terminate()
+    time.sleep(0.2)  # the front has the signal; its listener stays open for its 1 s notice
+    health = httpx.get(url + "/health", timeout=5)
+    [late] = asyncio.run(_embed_at_once(url, ["after SIGTERM"], 1))
+    caller.join(60)
+    assert health.status_code == 503
+    assert health.json() == {"status": "not serving", "reason": "the server is shutting down"}
+    assert isinstance(late, openai.InternalServerError), late
+    assert late.status_code == 503 and "shutting down" in late.message
+    response = outcome["response"]
+    assert isinstance(response, httpx.Response) and response.status_code == 200
+    vector = np.array([response.json()["data"][0]["embedding"]])
+    assert_close(vector, grpc_client.embed([HOLD_TEXT]))
+    assert held_server.wait(60) == 0
