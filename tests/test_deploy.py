@@ -260,7 +260,8 @@ def test_runtime_lock_pins_every_dependency_with_hashes(variant: str) -> None:
     assert runtime in pins and other not in pins
     assert any("requirements/runtime-${VARIANT}.txt" in rest for _, rest in stage("venv"))
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    for dependency in pyproject["project"]["dependencies"]:
+    project = pyproject["project"]
+    for dependency in project["dependencies"] + project["optional-dependencies"]["server"]:
         wanted = Requirement(dependency)
         name = canonicalize_name(wanted.name).replace("onnxruntime-gpu", runtime)
         pinned = pins.get(name)

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import model as model_package
+import proto as proto_package
+import server as server_package
 from client.client import EmbeddingClient
 from export.optimize import cpu_session
 from model.repository import FP32_FILE, TOKENIZER_FILE, read_manifest
@@ -38,6 +41,9 @@ class NoTorch:
 sys.meta_path = [NoTorch] + [f for f in sys.meta_path if not f.__module__.startswith("__editable__")]
 """
 TEXTS = ["A man is playing a guitar.", "Someone plays an instrument."]
+# The packages' names as the code imports them, and their directories in the image's /app.
+MODEL, SERVER = model_package.__name__, server_package.__name__
+MODEL_DIR, PROTO_DIR = (Path(*package.__name__.split(".")) for package in (model_package, proto_package))
 
 
 def runtime_copies() -> list[tuple[list[str], str]]:
@@ -51,7 +57,7 @@ def runtime_copies() -> list[tuple[list[str], str]]:
 
 
 def stage_image(app: Path) -> None:
-    """The runtime image's /app: what the Dockerfile copies, and proto/ with its generated stubs."""
+    """The runtime image's /app: what the Dockerfile copies, and the proto package with its stubs."""
     for sources, destination in runtime_copies():
         for source in sources:
             target = app / destination / (Path(source).name if destination.endswith("/") else "")
@@ -60,7 +66,7 @@ def stage_image(app: Path) -> None:
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(ROOT / source, target)
-    shutil.copytree(ROOT / "proto", app / "proto", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "proto", app / PROTO_DIR, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +96,16 @@ def test_torch_is_unimportable_under_the_blocker(image) -> None:
 def test_every_server_module_imports_without_torch_from_exactly_the_model_files_copied(image) -> None:
     app, env = image
     code = (
-        "import importlib, pkgutil, sys, server\n"
+        f"import importlib, pkgutil, sys, {SERVER} as server\n"
         "for m in pkgutil.iter_modules(server.__path__):\n"
-        "    importlib.import_module('server.' + m.name)\n"
-        "print(' '.join(sorted(m for m in sys.modules if m.partition('.')[0] == 'model')))"
+        f"    importlib.import_module('{SERVER}.' + m.name)\n"
+        f"print(' '.join(sorted(m for m in sys.modules if (m + '.').startswith('{MODEL}.'))))"
     )
     done = python(app, env, code)
     assert done.returncode == 0, done.stderr
     imported = {name.replace(".", "/") + ".py" for name in done.stdout.split()}
-    imported = {"model/__init__.py" if name == "model.py" else name for name in imported}
-    copied = {str(p.relative_to(app)) for p in (app / "model").glob("*.py")}
+    imported = {str(MODEL_DIR / "__init__.py") if name == f"{MODEL_DIR}.py" else name for name in imported}
+    copied = {str(p.relative_to(app)) for p in (app / MODEL_DIR).glob("*.py")}
     assert copied == imported, "the image must copy the model modules serving imports, and no others"
 
 
