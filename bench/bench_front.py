@@ -5,7 +5,7 @@
 1. Baselines measured here, in this run: the floor of a Python gRPC server (an asyncio handler that
    does nothing, same client, same load), and one front/engine round trip over ZeroMQ.
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
-   (`python -m tests.stand_in_server instant`, never startable from `python -m server`), with 1 and
+   (`python -m tests.stand_in_server instant`, never startable from `minilm-embed-serve`), with 1 and
    2 front processes: requests/s, sentences/s, and the server's CPU time per request and per sentence,
    summed from /proc over every server process (not wall time); over gRPC, then over HTTP
    (POST /v1/embeddings, base64) on the same server.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_server import Row, ceiling, load, load_http, sentences, table
 
-from proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from tests.server_process import start_server
 
 STAND_IN = ("tests.stand_in_server", "instant")

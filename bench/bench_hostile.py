@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.config import ServerConfig
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server.config import ServerConfig
 from tests.reliability.probes import rss_bytes
 from tests.server_process import ServerProcess, serving
 

@@ -42,13 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export.optimize import CPU_DISABLED_OPTIMIZERS, cpu_session
-from export.parity import CARRIED_SENTENCES, onnx_embedder
-from model.config import EncoderConfig
-from model.data import read_sts, sts_path
-from model.evaluate import length_sorted
-from model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
-from model.tokenizer import Tokenizer
+from minilm_embed.export.optimize import CPU_DISABLED_OPTIMIZERS, cpu_session
+from minilm_embed.export.parity import CARRIED_SENTENCES, onnx_embedder
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.data import read_sts, sts_path
+from minilm_embed.model.evaluate import length_sorted
+from minilm_embed.model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
+from minilm_embed.model.tokenizer import Tokenizer
 
 BATCHES = (32, 128)
 EmbedTexts = Callable[[list[str]], np.ndarray]

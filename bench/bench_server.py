@@ -40,14 +40,14 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.client import AsyncEmbeddingClient, Security, embed_request
-from export.optimize import cpu_session
-from export.parity import CARRIED_SENTENCES
-from model.data import read_sts, sts_path
-from model.repository import FP32_FILE, TOKENIZER_FILE
-from model.runtime import run_graph
-from model.tokenizer import Tokenizer, pad_batch
-from server.backend import usable_cores
+from minilm_embed.client.client import AsyncEmbeddingClient, Security, embed_request
+from minilm_embed.export.optimize import cpu_session
+from minilm_embed.export.parity import CARRIED_SENTENCES
+from minilm_embed.model.data import read_sts, sts_path
+from minilm_embed.model.repository import FP32_FILE, TOKENIZER_FILE
+from minilm_embed.model.runtime import run_graph
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
+from minilm_embed.server.backend import usable_cores
 from tests.server_process import start_server
 
 CONCURRENCY = (1, 16, 64, 256)

@@ -1,7 +1,13 @@
 """A small client for the embedding service, sync and asyncio, with retries on UNAVAILABLE."""
 
-from client.client import DEFAULT_ADDRESS, AsyncEmbeddingClient, EmbeddingClient, Security, service_config
-from client.errors import (
+from minilm_embed.client.client import (
+    DEFAULT_ADDRESS,
+    AsyncEmbeddingClient,
+    EmbeddingClient,
+    Security,
+    service_config,
+)
+from minilm_embed.client.errors import (
     DeadlineExceeded,
     EmbeddingError,
     InvalidInput,

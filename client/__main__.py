@@ -1,4 +1,4 @@
-"""python -m client: embed texts, embed a file of texts, or show the server's model and limits."""
+"""minilm-embed: embed texts, embed a file of texts, or show the server's model and limits."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from client import bulk
-from client.client import (
+from minilm_embed.client import bulk
+from minilm_embed.client.client import (
     DEFAULT_ADDRESS,
     AsyncEmbeddingClient,
     EmbeddingClient,
@@ -25,7 +25,7 @@ from client.client import (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    p = argparse.ArgumentParser(prog="minilm-embed", description=__doc__)
     p.add_argument(
         "--address",
         default=os.environ.get("EMBED_ADDRESS", DEFAULT_ADDRESS),

@@ -17,10 +17,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.errors import from_rpc_error
-from proto.embedding.v1 import SERVICE_NAME
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.errors import from_rpc_error
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 

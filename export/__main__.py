@@ -1,4 +1,4 @@
-"""python -m export: packaged (or given) weights -> a verified ONNX model repository.
+"""python -m minilm_embed.export: packaged (or given) weights -> a verified ONNX model repository.
 
 Writes into a temporary directory beside --out and moves it into place only when the parity gate
 passes, so a failed export never leaves a half-written repository behind.
@@ -20,14 +20,14 @@ import onnxruntime
 import tokenizers
 import torch
 
-from export.onnx import IR_VERSION, OPSET, export_onnx, save
-from export.optimize import cpu_session, graph_plan, quantize_int8
-from export.parity import ParityError, ParityReport, run_int8_gate, run_parity
-from model.checksum import sha256_file
-from model.data import DataError, read_sts, sts_path
-from model.repository import FP32_FILE, INT8_FILE, MANIFEST_FILE, TOKENIZER_FILE, Manifest
-from model.tokenizer import Tokenizer
-from model.weights import (
+from minilm_embed.export.onnx import IR_VERSION, OPSET, export_onnx, save
+from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
+from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
+from minilm_embed.model.checksum import sha256_file
+from minilm_embed.model.data import DataError, read_sts, sts_path
+from minilm_embed.model.repository import FP32_FILE, INT8_FILE, MANIFEST_FILE, TOKENIZER_FILE, Manifest
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.model.weights import (
     DEFAULT_SHA256,
     Checkpoint,
     WeightsError,
@@ -39,7 +39,7 @@ CALIBRATION_SENTENCES = 800
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m minilm_embed.export", description=__doc__.splitlines()[0])
     p.add_argument(
         "--weights", type=Path, help="Hugging Face BERT-family directory (default: packaged all-MiniLM-L6-v2)"
     )

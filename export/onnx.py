@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.encoder import Encoder
-from model.repository import EMBEDDINGS, INPUT_IDS, INPUTS, LENGTHS, OUTPUTS, POOLED
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.repository import EMBEDDINGS, INPUT_IDS, INPUTS, LENGTHS, OUTPUTS, POOLED
 
 OPSET = 17
 # onnx 1.23 stamps IR version 14 on new models, which onnxruntime 1.31 refuses (it reads <= 13).

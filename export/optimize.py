@@ -18,10 +18,18 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, numpy_helper
 
-from model.checksum import sha256_file
-from model.repository import CPU_PROVIDER, FP32_FILE, INPUT_IDS, INT8_FILE, LENGTHS, Graph, Precision
-from model.runtime import new_session
-from model.tokenizer import pad_batch
+from minilm_embed.model.checksum import sha256_file
+from minilm_embed.model.repository import (
+    CPU_PROVIDER,
+    FP32_FILE,
+    INPUT_IDS,
+    INT8_FILE,
+    LENGTHS,
+    Graph,
+    Precision,
+)
+from minilm_embed.model.runtime import new_session
+from minilm_embed.model.tokenizer import pad_batch
 
 # Runtime fusions that make this model slower on the CPU provider (see the module docstring).
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model.data import ScoredPair, read_sts, sts_path
-from model.encoder import Encoder
-from model.evaluate import BATCH, Embedder, batched, length_sorted, spearman_x100, torch_embedder
-from model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS
-from model.tokenizer import Tokenizer
+from minilm_embed.model.data import ScoredPair, read_sts, sts_path
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.evaluate import BATCH, Embedder, batched, length_sorted, spearman_x100, torch_embedder
+from minilm_embed.model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS
+from minilm_embed.model.tokenizer import Tokenizer
 
 MIN_COSINE = 0.99999
 MAX_ABS_DIFF = 1e-5

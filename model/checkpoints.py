@@ -1,4 +1,5 @@
-"""Checkpoints: the Hugging Face / sentence-transformers layout that ``python -m export --weights``
+"""Checkpoints: the Hugging Face / sentence-transformers layout that ``python -m minilm_embed.export
+--weights``
 reads, plus ``training_state.pt`` (optimizer, scheduler, step, RNG) that ``--resume`` continues from,
 and the run's log as JSON lines."""
 
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from model.loop import Run
-from model.weights import WeightsError, save_checkpoint
+from minilm_embed.model.loop import Run
+from minilm_embed.model.weights import WeightsError, save_checkpoint
 
 STATE_FILE = "training_state.pt"
 LOG_FILE = "training_log.jsonl"

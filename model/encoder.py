@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import EncoderConfig
+from minilm_embed.model.config import EncoderConfig
 
 
 def padding_mask(lengths: Tensor, seq_len: int) -> Tensor:

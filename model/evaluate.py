@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from model.data import ScoredPair, read_sts, sts_path
-from model.encoder import Encoder
-from model.tokenizer import Tokenizer, pad_batch
+from minilm_embed.model.data import ScoredPair, read_sts, sts_path
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 
 BATCH = 64
 

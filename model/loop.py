@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from model.encoder import Encoder
-from model.evaluate import DevSet
-from model.losses import batch_loss
-from model.pairs import Batch, TrainingData
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.evaluate import DevSet
+from minilm_embed.model.losses import batch_loss
+from minilm_embed.model.pairs import Batch, TrainingData
 
 MAX_GRAD_NORM = 1.0
 LOSS_WINDOW = 20  # steps averaged for the loss reported at the start and end of a run

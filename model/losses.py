@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.encoder import Encoder
-from model.pairs import Batch
-from model.tokenizer import pad_batch
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.pairs import Batch
+from minilm_embed.model.tokenizer import pad_batch
 
 CONTRASTIVE_SCALE = 20.0  # cosine similarities in [-1, 1] are too flat a softmax without it
 

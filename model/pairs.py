@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.data import DataError, ScoredPair, read_sts, sts_path, utf8_lines
-from model.tokenizer import Tokenizer
+from minilm_embed.model.data import DataError, ScoredPair, read_sts, sts_path, utf8_lines
+from minilm_embed.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

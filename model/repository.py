@@ -1,4 +1,4 @@
-"""The model repository's format: the one contract between `python -m export` and the server.
+"""The model repository's format: the one contract between `python -m minilm_embed.export` and the server.
 
 A repository is a directory holding the ONNX graphs, tokenizer.json and manifest.json. The manifest
 is the typed, versioned `Manifest` below: export builds one and writes `to_dict()`, the server reads it
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from model.checksum import sha256_file
-from model.config import EncoderConfig
+from minilm_embed.model.checksum import sha256_file
+from minilm_embed.model.config import EncoderConfig
 
 # Bump when a reader of the previous version would misread the new one; readers refuse any other.
 MANIFEST_VERSION = 1
@@ -201,7 +201,7 @@ class ModelRepository:
         shipped = ", ".join(sorted({g.precision for g in graphs}))
         raise ModelRepositoryError(
             f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped}); "
-            "int8 is built by `python -m export --data-dir ...`"
+            "int8 is built by `python -m minilm_embed.export --data-dir ...`"
         )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS, POOLED
+from minilm_embed.model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS, POOLED
 
 
 def session_options(threads: int, serving: bool) -> ort.SessionOptions:

@@ -1,10 +1,12 @@
-"""python -m model.train: fine-tune the encoder, or train a small one from scratch, on sentence pairs.
+"""python -m minilm_embed.model.train: fine-tune the encoder, or train a small one from scratch, on sentence
+pairs.
 
 Two kinds of data, each batch drawn from one kind (model/pairs.py, model/losses.py):
 - pairs (JSONL ``{"anchor": ..., "positive": ...}``): contrastive loss with in-batch negatives;
 - scored pairs (STS-B rows, score 0-5): MSE between cos(u, v) and score / 5.
 
-Saves the Hugging Face / sentence-transformers layout that ``python -m export --weights`` reads, plus
+Saves the Hugging Face / sentence-transformers layout that ``python -m minilm_embed.export --weights`` reads,
+plus
 the training state that ``--resume`` continues from (model/checkpoints.py). This module is the command
 line: it turns the arguments into a model, data and a plan, and runs model/loop.py's loop.
 """
@@ -22,21 +24,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.checkpoints import restore, save
-from model.config import EncoderConfig
-from model.data import DataError
-from model.encoder import Encoder
-from model.evaluate import DevSet
-from model.loop import Plan, Run, evaluate, fit, loss_window, make_run, mean, seed_everything
-from model.pairs import TrainingData, read_training_data, tokenize
-from model.tokenizer import Tokenizer
-from model.weights import WeightsError, default_weights_dir, load_checkpoint
+from minilm_embed.model.checkpoints import restore, save
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.data import DataError
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.evaluate import DevSet
+from minilm_embed.model.loop import Plan, Run, evaluate, fit, loss_window, make_run, mean, seed_everything
+from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.model.weights import WeightsError, default_weights_dir, load_checkpoint
 
 DEFAULT_LR = {"default": 2e-5, "scratch": 1e-3}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m model.train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m minilm_embed.model.train", description=__doc__.splitlines()[0]
+    )
     p.add_argument(
         "--init",
         choices=("default", "scratch"),

@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.checksum import sha256_file
-from model.config import EncoderConfig
-from model.encoder import Encoder
+from minilm_embed.model.checksum import sha256_file
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.encoder import Encoder
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"

@@ -11,9 +11,9 @@ SERVER_EXTRA = {"onnxruntime", "tokenizers", "zmq", "prometheus_client", "grpc_h
 
 
 def serve_command() -> int:
-    """The `minilm-embed-serve` console script: `python -m server`, or what to install for it."""
+    """The `minilm-embed-serve` console script: `minilm-embed-serve`, or what to install for it."""
     try:
-        from server.__main__ import main
+        from minilm_embed.server.__main__ import main
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] not in SERVER_EXTRA:
             raise

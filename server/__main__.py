@@ -1,15 +1,15 @@
-"""python -m server: serve embeddings over gRPC until SIGTERM or SIGINT, then drain and exit 0."""
+"""minilm-embed-serve: serve embeddings over gRPC until SIGTERM or SIGINT, then drain and exit 0."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from server.app import StartupError, configure_process, serve
-from server.backend import ModelRepositoryError
-from server.config import ConfigError, load_config
-from server.engine import BackendFactory, onnx_backend
-from server.security import SecurityConfigError
+from minilm_embed.server.app import StartupError, configure_process, serve
+from minilm_embed.server.backend import ModelRepositoryError
+from minilm_embed.server.config import ConfigError, load_config
+from minilm_embed.server.engine import BackendFactory, onnx_backend
+from minilm_embed.server.security import SecurityConfigError
 
 
 def main(argv: list[str] | None = None, backend_factory: BackendFactory = onnx_backend) -> int:

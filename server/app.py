@@ -1,6 +1,6 @@
 """The supervisor: one engine process, N front processes on one port, one /metrics; signals and deaths.
 
-    python -m server  ->  supervisor ─┬─ engine   (batcher + ONNX Runtime; the only process on the device)
+    minilm-embed-serve  ->  supervisor ─┬─ engine   (batcher + ONNX Runtime; the only process on the device)
                                       ├─ front 0  (gRPC + HTTP: validate, tokenize, respond) ─┐
                                       └─ front N-1                                            ┴─ one port each
 
@@ -33,12 +33,12 @@ from typing import Any
 
 from prometheus_client import multiprocess
 
-from model.repository import CUDA_PROVIDER
-from server.backend import usable_cores, wanted_providers
-from server.config import ServerConfig
-from server.engine import BackendFactory, onnx_backend, run_engine
-from server.front import Place, configure_logging, reuseport_socket, run_front
-from server.security import load_token, server_credentials
+from minilm_embed.model.repository import CUDA_PROVIDER
+from minilm_embed.server.backend import usable_cores, wanted_providers
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.engine import BackendFactory, onnx_backend, run_engine
+from minilm_embed.server.front import Place, configure_logging, reuseport_socket, run_front
+from minilm_embed.server.security import load_token, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,10 @@ def serve(config: ServerConfig, backend_factory: BackendFactory = onnx_backend) 
 
 
 def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
-    from server.metrics import scrape_registry, serve_metrics  # after PROMETHEUS_MULTIPROC_DIR is set
+    from minilm_embed.server.metrics import (  # after PROMETHEUS_MULTIPROC_DIR is set
+        scrape_registry,
+        serve_metrics,
+    )
 
     stop: list[int] = []
     wakeup_read, wakeup_write = os.pipe()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model.repository import (
+from minilm_embed.model.repository import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
     EMBEDDINGS,
@@ -28,8 +28,8 @@ from model.repository import (
     open_repository,
     read_manifest,
 )
-from model.runtime import new_session, run_graph
-from server.config import Device
+from minilm_embed.model.runtime import new_session, run_graph
+from minilm_embed.server.config import Device
 
 # The repository's reader is re-exported: the server opens the model through this module.
 __all__ = [

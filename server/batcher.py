@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
-from server.metrics import Metrics
+from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
+from minilm_embed.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from server.errors import InvalidInput, Overloaded
+from minilm_embed.server.errors import InvalidInput, Overloaded
 
 
 class Budget:

@@ -122,7 +122,7 @@ _HELP = {
         "HTTP listen address host:port of the OpenAI-compatible /v1/embeddings, /v1/models and /health "
         "(port 0 picks a free port; empty: off)"
     ),
-    "model_dir": "model repository written by `python -m export`",
+    "model_dir": "model repository written by `python -m minilm_embed.export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
     "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
@@ -182,7 +182,7 @@ def _from_env(environ: Mapping[str, str], env: str, kind: type) -> Any:
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m server", description="Batched gRPC and HTTP embedding server."
+        prog="minilm-embed-serve", description="Batched gRPC and HTTP embedding server."
     )
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):

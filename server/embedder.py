@@ -12,15 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from server.budget import Budget, Hold
-from server.errors import InvalidInput, Overloaded
-from server.metrics import Metrics
-from server.readiness import Readiness
-from server.tokenization import Prepared, RequestTokenizer, tokenizing_cost
-from server.transport import Answer, EngineClient
+from minilm_embed.server.budget import Budget, Hold
+from minilm_embed.server.errors import InvalidInput, Overloaded
+from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.readiness import Readiness
+from minilm_embed.server.tokenization import Prepared, RequestTokenizer, tokenizing_cost
+from minilm_embed.server.transport import Answer, EngineClient
 
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
-    from server.tracing import RequestTracer
+    from minilm_embed.server.tracing import RequestTracer
 
 # A single input of up to this many characters tokenizes in well under 100 us: less than handing it
 # to a worker thread and back costs. Anything more runs on the

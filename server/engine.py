@@ -23,12 +23,12 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from server import logs, protocol
-from server.backend import ModelRepository, OnnxBackend, open_repository
-from server.batcher import Batcher, BatchLimits, Done, Request, Rows
-from server.config import ServerConfig
-from server.errors import ServiceError
-from server.metrics import Metrics
+from minilm_embed.server import logs, protocol
+from minilm_embed.server.backend import ModelRepository, OnnxBackend, open_repository
+from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.errors import ServiceError
+from minilm_embed.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

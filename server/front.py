@@ -31,24 +31,24 @@ import tokenizers
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from model.repository import MANIFEST_FILE, TOKENIZER_FILE, Manifest, read_manifest
-from model.tokenizer import Tokenizer
-from proto.embedding.v1 import embedding_pb2 as pb
-from server import __version__, logs, protocol
-from server.budget import request_bytes_budget, tokenizing_budget
-from server.config import ServerConfig
-from server.embedder import Embedder
-from server.health import SERVICE_NAME, new_health
-from server.http import HttpApi, HttpListener, ModelCard, http_listener
-from server.metrics import Metrics
-from server.readiness import Readiness
-from server.security import BearerAuth, load_token, server_credentials
-from server.service import EmbeddingService, register
-from server.tokenization import InputLimits, RequestTokenizer
-from server.transport import EngineClient
+from minilm_embed.model.repository import MANIFEST_FILE, TOKENIZER_FILE, Manifest, read_manifest
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.server import __version__, logs, protocol
+from minilm_embed.server.budget import request_bytes_budget, tokenizing_budget
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.embedder import Embedder
+from minilm_embed.server.health import SERVICE_NAME, new_health
+from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
+from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.readiness import Readiness
+from minilm_embed.server.security import BearerAuth, load_token, server_credentials
+from minilm_embed.server.service import EmbeddingService, register
+from minilm_embed.server.tokenization import InputLimits, RequestTokenizer
+from minilm_embed.server.transport import EngineClient
 
 if TYPE_CHECKING:
-    from server.tracing import RequestTracer
+    from minilm_embed.server.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def start_tracing(config: ServerConfig) -> RequestTracer | None:
     """Tracing when an OTLP endpoint is set; otherwise OpenTelemetry is never imported."""
     if not config.otlp_endpoint:
         return None
-    from server.tracing import otlp_tracer
+    from minilm_embed.server.tracing import otlp_tracer
 
     return otlp_tracer(config.otlp_endpoint)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grpc_health.v1 import health, health_pb2
 
-from proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 
 __all__ = ["SERVICE_NAME", "new_health", "set_serving"]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -34,11 +34,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from server import logs
-from server.budget import Hold
-from server.config import ServerConfig
-from server.embedder import Embedded, Embedder, EmbedJob
-from server.errors import (
+from minilm_embed.server import logs
+from minilm_embed.server.budget import Hold
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
+from minilm_embed.server.errors import (
     BackendFailure,
     ClientGone,
     Dropped,
@@ -49,8 +49,8 @@ from server.errors import (
     TooLarge,
     Unauthenticated,
 )
-from server.metrics import Metrics, size_class
-from server.security import bearer_matches
+from minilm_embed.server.metrics import Metrics, size_class
+from minilm_embed.server.security import bearer_matches
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from grpc_health.v1 import health
 
-from server.errors import NotReady
-from server.health import set_serving
-from server.metrics import Metrics
+from minilm_embed.server.errors import NotReady
+from minilm_embed.server.health import set_serving
+from minilm_embed.server.metrics import Metrics
 
 
 class Readiness:

@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from proto.embedding.v1 import SERVICE_NAME
-from server import logs
-from server.metrics import Metrics
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.server import logs
+from minilm_embed.server.metrics import Metrics
 
 PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
 

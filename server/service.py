@@ -17,14 +17,14 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from proto.embedding.v1 import SERVICE_NAME
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server import logs
-from server.budget import Hold
-from server.embedder import Embedded, Embedder, EmbedJob
-from server.errors import InvalidInput, ServiceError
-from server.metrics import Metrics, size_class
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server import logs
+from minilm_embed.server.budget import Hold
+from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
+from minilm_embed.server.errors import InvalidInput, ServiceError
+from minilm_embed.server.metrics import Metrics, size_class
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

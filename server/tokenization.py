@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.tokenizer import PREFIX_CHARS, Tokenizer
-from server.errors import InvalidInput
+from minilm_embed.model.tokenizer import PREFIX_CHARS, Tokenizer
+from minilm_embed.server.errors import InvalidInput
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from server.embedder import Embedded, EmbedJob
+from minilm_embed.server.embedder import Embedded, EmbedJob
 
 SERVICE_NAME = "embedding-server"  # unless OTEL_SERVICE_NAME (read by the SDK) names the service
 

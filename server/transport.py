@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import zmq
 
-from server import protocol
-from server.batcher import check_capacity
-from server.errors import NotReady, Overloaded, ServiceError
+from minilm_embed.server import protocol
+from minilm_embed.server.batcher import check_capacity
+from minilm_embed.server.errors import NotReady, Overloaded, ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from model.encoder import Encoder
-from model.tokenizer import Tokenizer
-from model.weights import DEFAULT_SHA256, Checkpoint, default_weights_dir, load_checkpoint
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.model.weights import DEFAULT_SHA256, Checkpoint, default_weights_dir, load_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.optimize import cpu_session
-from model.tokenizer import Tokenizer, pad_batch
+from minilm_embed.export.optimize import cpu_session
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 
 MAX_TOKENS = 256
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.health import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server.health import SERVICE_NAME
 from tests.stand_in_server import HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ class ServerProcess:
 
 @contextmanager
 def serving(
-    *args: str, env: dict[str, str] | None = None, entry: Sequence[str] = ("server",)
+    *args: str, env: dict[str, str] | None = None, entry: Sequence[str] = ("minilm_embed.server",)
 ) -> Iterator[ServerProcess]:
     """A started server, serving, for the body of the with-block; stopped (SIGTERM) after it."""
     process = start_server(*args, env=env, entry=entry).wait_serving()
@@ -149,9 +149,12 @@ async def one_instance_held(address: str) -> AsyncIterator[None]:
 
 
 def start_server(
-    *args: str, metrics: bool = True, env: dict[str, str] | None = None, entry: Sequence[str] = ("server",)
+    *args: str,
+    metrics: bool = True,
+    env: dict[str, str] | None = None,
+    entry: Sequence[str] = ("minilm_embed.server",),
 ) -> ServerProcess:
-    """Start `python -m server` (or another entry) on 127.0.0.1:0 with the built model, HTTP too (never
+    """Start `minilm-embed-serve` (or another entry) on 127.0.0.1:0 with the built model, HTTP too (never
     on the default port 8080); call wait_serving() to block."""
     cmd = [sys.executable, "-m", *entry, "--address", "127.0.0.1:0", "--model-dir", str(model_dir())]
     cmd += ["--metrics-address", "127.0.0.1:0" if metrics else ""]

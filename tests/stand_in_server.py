@@ -1,5 +1,5 @@
 """Test and benchmark entry points: the real server (supervisor, fronts, engine, batcher) over a model
-run that is not the production one. Nothing in `python -m server` can start these.
+run that is not the production one. Nothing in `minilm-embed-serve` can start these.
 
     python -m tests.stand_in_server instant <server flags>      # an instant stand-in model (bench/)
     python -m tests.stand_in_server fault TEXT <server flags>   # the real model; a batch holding TEXT fails
@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from model.tokenizer import Tokenizer
-from server.__main__ import main
-from server.backend import ModelRepository
-from server.config import ServerConfig
-from server.engine import Backend, onnx_backend
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.server.__main__ import main
+from minilm_embed.server.backend import ModelRepository
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.engine import Backend, onnx_backend
 
 
 class InstantBackend:

@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from model.repository import CPU_PROVIDER as CPU
-from model.repository import CUDA_PROVIDER as CUDA
-from server.backend import OnnxBackend, open_repository, plan_instances
+from minilm_embed.model.repository import CPU_PROVIDER as CPU
+from minilm_embed.model.repository import CUDA_PROVIDER as CUDA
+from minilm_embed.server.backend import OnnxBackend, open_repository, plan_instances
 
 
 @pytest.mark.parametrize(

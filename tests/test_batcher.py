@@ -17,9 +17,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch
-from server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
-from server.metrics import Metrics
+from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch
+from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
+from minilm_embed.server.metrics import Metrics
 
 
 async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None = None) -> Done:

@@ -1,4 +1,4 @@
-"""`python -m client embed-file` (client/bulk.py) against real servers: rows stay on their lines, refusals
+"""`minilm-embed embed-file` (client/bulk.py) against real servers: rows stay on their lines, refusals
 are retried, a killed job resumes to the same output, stdin and JSONL work, bad input names its line."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from client import bulk
-from client.client import EmbeddingClient
+from minilm_embed.client import bulk
+from minilm_embed.client.client import EmbeddingClient
 from tests import test_client
 from tests.server_process import ServerProcess, serving
 from tests.test_client import run_client
@@ -155,7 +155,7 @@ def test_refusals_from_a_full_queue_are_retried_until_every_row_is_written(tmp_p
 
 
 def start_job(server: ServerProcess, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "client", "--address", server.address, "embed-file", *args]
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file", *args]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 

@@ -1,4 +1,4 @@
-"""The command line `python -m client` against a real server: what a user types and what comes out."""
+"""The command line `minilm-embed` against a real server: what a user types and what comes out."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.client import EmbeddingClient
+from minilm_embed.client.client import EmbeddingClient
 from tests.server_process import ServerProcess, serving
 from tests.test_server import SHORT, TINY, assert_close, free_port
 
@@ -37,7 +37,7 @@ def run_client(
 ) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("EMBED_")}  # no stray settings
     return subprocess.run(
-        [sys.executable, "-m", "client", *args],
+        [sys.executable, "-m", "minilm_embed.client", *args],
         cwd=ROOT,
         env={**environment, **(env or {})},
         input=stdin,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from client import (
+from minilm_embed.client import (
     AsyncEmbeddingClient,
     DeadlineExceeded,
     EmbeddingClient,
@@ -19,7 +19,7 @@ from client import (
     Unauthenticated,
     Unavailable,
 )
-from client.errors import from_rpc_error
+from minilm_embed.client.errors import from_rpc_error
 from tests.server_process import ServerProcess, serving
 from tests.test_server import free_port
 

@@ -27,9 +27,9 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from server.config import ServerConfig, env_name, load_config
-from server.health import SERVICE_NAME
-from server.metrics import Metrics
+from minilm_embed.server.config import ServerConfig, env_name, load_config
+from minilm_embed.server.health import SERVICE_NAME
+from minilm_embed.server.metrics import Metrics
 from tests.server_process import ServerProcess, model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,9 +231,9 @@ def test_runtime_stage_carries_the_server_and_model_but_no_torch() -> None:
     copied = [
         rest.split()[1:-1] for keyword, rest in runtime if keyword == "COPY" and "--from=export" in rest
     ]
-    assert sorted(copied) == [["/model"], ["/src/proto/"]]
+    assert sorted(copied) == [["/model"], ["/src/minilm_embed/proto/"]]
     (protoc,) = [rest for _, rest in stage("export") if "grpc_tools.protoc" in rest]
-    assert "python -m export --out /model" in protoc
+    assert "python -m minilm_embed.export --out /model" in protoc
 
 
 def lock_pins(variant: str) -> dict[str, str]:
@@ -290,7 +290,8 @@ def start_image_command(extra: list[str] | None = None) -> ServerProcess:
         "EMBED_METRICS_ADDRESS": "127.0.0.1:0",
         "EMBED_HTTP_ADDRESS": "127.0.0.1:0",  # never the default :8080 on a shared machine
     }
-    # The image's WORKDIR holds server/, client/, model/ and proto/ as this checkout does.
+    # The image's WORKDIR holds minilm_embed/server/, client/, model/ and proto/; the editable install maps
+    # the same names to this checkout.
     proc = subprocess.Popen(
         local(argv), cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )
@@ -316,7 +317,7 @@ def test_image_command_serves_and_healthcheck_follows_it(tmp_path: Path) -> None
         healthy = run_healthcheck(server.port, tmp_path)
         assert healthy.returncode == 0, healthy.stderr
         info = subprocess.run(
-            local([*exec_form("ENTRYPOINT"), "client", "--address", server.address, "info"]),
+            local([*exec_form("ENTRYPOINT"), "minilm_embed.client", "--address", server.address, "info"]),
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from model.config import EncoderConfig
-from model.encoder import Encoder, Packing, padding_mask, pool, sinusoidal_table
-from model.tokenizer import pad_batch
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.encoder import Encoder, Packing, padding_mask, pool, sinusoidal_table
+from minilm_embed.model.tokenizer import pad_batch
 
 SENTENCES = [
     "A man is playing a guitar.",

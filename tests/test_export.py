@@ -1,4 +1,5 @@
-"""`python -m export`: bad input fails cleanly, a real export is complete and deterministic, and the
+"""`python -m minilm_embed.export`: bad input fails cleanly, a real export is complete and deterministic, and
+the
 parity gate refuses a model that does not match."""
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.onnx import OPSET
-from export.optimize import (
+from minilm_embed.export.onnx import OPSET
+from minilm_embed.export.optimize import (
     CPU_DISABLED_OPTIMIZERS,
     MS_DOMAIN,
     cpu_session,
     int8_gemm_nodes,
     int8_shared_constants,
 )
-from export.parity import (
+from minilm_embed.export.parity import (
     INT8_MAX_SPEARMAN_GAP,
     INT8_MIN_BATCH_COSINE,
     MAX_ABS_DIFF,
@@ -34,9 +35,9 @@ from export.parity import (
     compare,
     run_parity,
 )
-from model.repository import CPU_PROVIDER, INT8_FILE
-from model.tokenizer import pad_batch
-from model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
+from minilm_embed.model.repository import CPU_PROVIDER, INT8_FILE
+from minilm_embed.model.tokenizer import pad_batch
+from minilm_embed.model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY_FILES = {"model.onnx", "tokenizer.json", "manifest.json"}
@@ -52,7 +53,7 @@ SENTENCES = ["A man is playing a guitar.", "ok", "Two dogs are running through a
 def run_export(*args: str) -> subprocess.CompletedProcess[str]:
     """The CLI as a user runs it, without a data directory (EMBED_DATA_DIR would supply one)."""
     env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
-    command = [sys.executable, "-m", "export", *args]
+    command = [sys.executable, "-m", "minilm_embed.export", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reference import Reference
 from tests.server_process import (
     ServerProcess,

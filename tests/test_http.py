@@ -1,5 +1,5 @@
 """The HTTP API end to end, through the clients people use: OpenAI's Python package and LangChain's
-OpenAIEmbeddings, against real `python -m server` processes with the real model.
+OpenAIEmbeddings, against real `minilm-embed-serve` processes with the real model.
 
 What each test holds true: the same vectors as gRPC from the same server (one engine, one queue),
 OpenAI's request and response shapes, errors in OpenAI's shape with the HTTP status matching gRPC's
@@ -21,7 +21,7 @@ import openai
 import pytest
 from langchain_openai import OpenAIEmbeddings
 
-from client.client import EmbeddingClient, Security
+from minilm_embed.client.client import EmbeddingClient, Security
 from tests.server_process import ServerProcess, fault_entry, flags, serving
 from tests.stand_in_server import HOLD_TEXT
 from tests.test_server import DIMENSIONS, LONG, SHORT, assert_close, metric
@@ -60,7 +60,8 @@ def openai_client(server: ServerProcess, key: str = TOKEN) -> openai.OpenAI:
 
 
 def create(server: ServerProcess, **kwargs: object) -> openai.types.CreateEmbeddingResponse:
-    return openai_client(server).embeddings.create(model="all-MiniLM-L6-v2", **kwargs)  # type: ignore[arg-type]
+    return openai_client(server).embeddings.create(model="all-MiniLM-L6-v2", **kwargs)  # type:
+    # ignore[arg-type]
 
 
 # Vectors: the same as gRPC's ----------------------------------------------------------------------

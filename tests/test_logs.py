@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server import logs
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server import logs
 from tests.server_process import ServerProcess, fault_entry, serving, wait_for
 
 FAULT = "__fault__ in the log tests"

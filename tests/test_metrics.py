@@ -22,12 +22,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from client.client import EmbeddingClient, embed_request
-from proto.embedding.v1 import embedding_pb2 as pb
-from server.batcher import Batcher, BatchLimits, Done, Rows
-from server.errors import Dropped, Overloaded
-from server.http import METHODS as HTTP_METHODS
-from server.metrics import Metrics
+from minilm_embed.client.client import EmbeddingClient, embed_request
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows
+from minilm_embed.server.errors import Dropped, Overloaded
+from minilm_embed.server.http import METHODS as HTTP_METHODS
+from minilm_embed.server.metrics import Metrics
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server
 

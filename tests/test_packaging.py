@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from packaging.requirements import Requirement
 
-from client.client import EmbeddingClient
+from minilm_embed.client.client import EmbeddingClient
 from tests.server_process import ROOT, ServerProcess, serving
 
 pytestmark = pytest.mark.slow

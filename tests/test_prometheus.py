@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request
+from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server, wait_for
 from tests.test_metrics import assert_labels_bounded, promtool_check_metrics, samples, scrape

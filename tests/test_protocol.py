@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from server import logs, protocol
+from minilm_embed.server import logs, protocol
 
 
 def test_submit_carries_its_request_tag_and_arrays_to_the_engine():

@@ -1,6 +1,6 @@
 """model.repository: the manifest export writes is the manifest the server reads, field for field, and
 a repository the server cannot trust (another manifest_version, a missing or inconsistent field, a
-graph that is missing or changed) stops `python -m server` with one line and exit status 2."""
+graph that is missing or changed) stops `minilm-embed-serve` with one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from model.repository import (
+from minilm_embed.model.repository import (
     MANIFEST_FILE,
     MANIFEST_VERSION,
     ModelRepositoryError,
@@ -54,7 +54,15 @@ def edited(model_dir: Path, tmp_path: Path) -> Callable[[Callable[[dict[str, Any
 
 
 def serve(model_dir: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "server", "--model-dir", str(model_dir), "--address", "127.0.0.1:0"]
+    command = [
+        sys.executable,
+        "-m",
+        "minilm_embed.server",
+        "--model-dir",
+        str(model_dir),
+        "--address",
+        "127.0.0.1:0",
+    ]
     command += ["--metrics-address", "", "--http-address", ""]  # no "... on port" lines: stderr is the error
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
 

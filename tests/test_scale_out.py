@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from client.client import channel_options, embed_request
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import channel_options, embed_request
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import scrape
 from tests.server_process import ServerProcess, start_server, wait_for
 

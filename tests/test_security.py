@@ -34,9 +34,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client.client import EmbeddingClient, Security, embed_request
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import EmbeddingClient, Security, embed_request
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import metrics_text
 from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, flags, serving, start_server
 
@@ -323,7 +323,7 @@ def test_refusals_are_counted_and_the_metrics_listen_only_on_their_own_interface
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "client", *args],
+        [sys.executable, "-m", "minilm_embed.client", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

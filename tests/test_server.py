@@ -1,4 +1,5 @@
-"""End to end: real `python -m server` processes on port 0 with the real model, compared with in-process ORT.
+"""End to end: real `minilm-embed-serve` processes on port 0 with the real model, compared with in-process
+ORT.
 
 One server per role, shared by the tests of a module (each start costs model load and warm-up):
 the main server for the API, a tiny-queue server for overload, a fault-injecting server for backend
@@ -25,10 +26,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server.batcher import running_time
+from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server.batcher import running_time
 from tests.reference import Reference
 from tests.server_process import (
     SERVICE_NAME,

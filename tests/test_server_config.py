@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.client import EmbeddingClient
-from server.config import ConfigError, ServerConfig, build_parser, env_name, load_config
+from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.server.config import ConfigError, ServerConfig, build_parser, env_name, load_config
 from tests.server_process import model_dir, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,15 @@ def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, mess
 
 
 def run_server(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--metrics-address", ""]
+    command = [
+        sys.executable,
+        "-m",
+        "minilm_embed.server",
+        "--address",
+        "127.0.0.1:0",
+        "--metrics-address",
+        "",
+    ]
     command += ["--http-address", "127.0.0.1:0", "--model-dir", str(model_dir()), *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -131,8 +139,8 @@ def test_server_process_takes_settings_from_env_and_flags_over_env():
 
 
 def test_the_tokenizing_budget_refuses_what_never_fits_and_what_does_not_fit_now():
-    from server.budget import tokenizing_budget
-    from server.errors import InvalidInput, Overloaded
+    from minilm_embed.server.budget import tokenizing_budget
+    from minilm_embed.server.errors import InvalidInput, Overloaded
 
     budget = tokenizing_budget(100)
     with pytest.raises(

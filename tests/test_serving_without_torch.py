@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import model as model_package
-import proto as proto_package
-import server as server_package
-from client.client import EmbeddingClient
-from export.optimize import cpu_session
-from model.repository import FP32_FILE, TOKENIZER_FILE, read_manifest
-from model.runtime import run_graph
-from model.tokenizer import Tokenizer, pad_batch
+from minilm_embed import model as model_package
+from minilm_embed import proto as proto_package
+from minilm_embed import server as server_package
+from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.export.optimize import cpu_session
+from minilm_embed.model.repository import FP32_FILE, TOKENIZER_FILE, read_manifest
+from minilm_embed.model.runtime import run_graph
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from tests.server_process import ROOT, ServerProcess
 from tests.test_deploy import stages
 
@@ -118,7 +118,15 @@ def reference(model_dir: Path) -> np.ndarray:
 
 def test_server_serves_a_real_embed_call_without_torch(image, model_dir: Path) -> None:
     app, env = image
-    command = [sys.executable, "-m", "server", "--address", "127.0.0.1:0", "--metrics-address", ""]
+    command = [
+        sys.executable,
+        "-m",
+        "minilm_embed.server",
+        "--address",
+        "127.0.0.1:0",
+        "--metrics-address",
+        "",
+    ]
     command += ["--http-address", "127.0.0.1:0"]  # never the default :8080 on a shared machine
     proc = subprocess.Popen(
         [*command, "--model-dir", str(model_dir.resolve())],

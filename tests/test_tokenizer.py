@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.tokenizer import PREFIX_CHARS, Tokenizer, pad_batch
+from minilm_embed.model.tokenizer import PREFIX_CHARS, Tokenizer, pad_batch
 
 CLS, SEP, UNK = 101, 102, 100
 

@@ -21,14 +21,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
-from server import logs
-from server.config import ServerConfig
-from server.engine import create_engine, onnx_backend
-from server.front import Front, create_front, start, start_tracing
-from server.metrics import Metrics
-from server.tracing import RequestTracer
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server import logs
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.engine import create_engine, onnx_backend
+from minilm_embed.server.front import Front, create_front, start, start_tracing
+from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.tracing import RequestTracer
 from tests.server_process import model_dir, serving
 
 Scenario = Callable[[Front, InMemorySpanExporter], Awaitable[None]]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import checkpoints, loop, pairs, train
+from minilm_embed.model import checkpoints, loop, pairs, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--init", "scratch", "--hidden", "32", "--layers", "2", "--heads", "2", "--max-seq-length", "32"]
@@ -57,7 +57,15 @@ def test_tiny_model_learns_and_its_checkpoint_exports_with_parity(tmp_path: Path
     curve = losses(ckpt)
     assert len(curve) == 16
     assert sum(curve[-4:]) / 4 < 0.7 * sum(curve[:4]) / 4, curve
-    export = [sys.executable, "-m", "export", "--weights", str(ckpt), "--out", str(tmp_path / "onnx")]
+    export = [
+        sys.executable,
+        "-m",
+        "minilm_embed.export",
+        "--weights",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "onnx"),
+    ]
     done = subprocess.run(export, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "parity passed" in done.stdout
@@ -120,7 +128,16 @@ def test_bad_training_data_exits_2_with_one_line_and_no_traceback(tmp_path: Path
     data = tmp_path / "pairs.jsonl"
     data.write_bytes(GOOD_PAIR + b'{"anchor": "caf\xe9", "positive": "b"}\n')
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "model.train", *TINY, "--pairs", str(data), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "minilm_embed.model.train",
+        *TINY,
+        "--pairs",
+        str(data),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr == f"train: error: {data}:2: not UTF-8 (byte 0xe9 at column 16)\n"

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.config import EncoderConfig
-from model.encoder import Encoder
-from model.tokenizer import pad_batch
-from model.weights import (
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.tokenizer import pad_batch
+from minilm_embed.model.weights import (
     DEFAULT_SHA256,
     WEIGHTS_FILE,
     WeightsError,

@@ -14,9 +14,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from model.tokenizer import Tokenizer
-from proto.embedding.v1 import embedding_pb2 as pb
-from server.config import ServerConfig
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.server.config import ServerConfig
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 REQUESTS: dict[str, Any] = {

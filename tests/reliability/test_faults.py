@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 import pytest
 
-from client.client import embed_request, to_array
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import embed_request, to_array
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import Scrape, metrics_text, parse, scrape, wait_idle
 from tests.reliability.workload import MIN_COSINE, Load, References, Tally, channels
 from tests.server_process import ServerProcess, fault_entry, one_instance_held, serving, wait_for

@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from model.tokenizer import Tokenizer
-from proto.embedding.v1 import SERVICE_NAME
-from proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from tests.reliability.contract import Contract, Expect, Limits
 from tests.reliability.probes import RssSampler, rss_bytes, wait_idle
 from tests.reliability.workload import MAX_TOKENS, channels

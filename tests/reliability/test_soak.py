@@ -23,9 +23,9 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from client.client import embed_request
-from proto.embedding.v1 import embedding_pb2 as pb
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import embed_request
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.conftest import SOAK_SECONDS
 from tests.reliability.probes import RssSampler, Scrape, gauges, scrape, wait_idle
 from tests.reliability.workload import Load, Tally

@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from client.client import channel_options, embed_request, to_array
-from export.optimize import cpu_session
-from export.parity import CARRIED_SENTENCES, MIN_COSINE
-from model.tokenizer import Tokenizer, pad_batch
-from proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.client.client import channel_options, embed_request, to_array
+from minilm_embed.export.optimize import cpu_session
+from minilm_embed.export.parity import CARRIED_SENTENCES, MIN_COSINE
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 
 MAX_TOKENS = 256
 OK = grpc.StatusCode.OK

@@ -4,6 +4,6 @@ SERVICE_NAME is read from the proto's descriptor, so the server (health, auth), 
 service config) and the tests all use the name the proto declares.
 """
 
-from proto.embedding.v1 import embedding_pb2 as _pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as _pb
 
 SERVICE_NAME: str = _pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
