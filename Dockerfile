@@ -89,10 +89,11 @@ ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONUNBUFFERED=1 \
     EMBED_MODEL_DIR=/model \
     EMBED_ADDRESS=0.0.0.0:50051 \
-    EMBED_METRICS_ADDRESS=0.0.0.0:9464
+    EMBED_METRICS_ADDRESS=0.0.0.0:9464 \
+    EMBED_HTTP_ADDRESS=0.0.0.0:8080
 # Numeric, so Kubernetes' runAsNonRoot can check it; deploy/k8s sets the same runAsUser.
 USER 10001:10001
-EXPOSE 50051 9464
+EXPOSE 50051 8080 9464
 # grpc.health.v1 for the embedding service by name: NOT_SERVING until warm and while draining.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["/opt/venv/bin/python", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; port = os.environ.get('EMBED_ADDRESS', ':50051').rpartition(':')[2]; channel = grpc.insecure_channel('127.0.0.1:' + port); status = g.HealthStub(channel).Check(h.HealthCheckRequest(service='embedding.v1.EmbeddingService'), timeout=4).status; sys.exit(status != h.HealthCheckResponse.SERVING)"]

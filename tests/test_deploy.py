@@ -272,8 +272,9 @@ def test_image_user_ports_and_build_context() -> None:
     assert image_uid() != 0
     exposed = {int(p) for rest in arguments("EXPOSE") for p in rest.split()}
     env = image_env()
-    assert exposed == {port(env["EMBED_ADDRESS"]), port(env["EMBED_METRICS_ADDRESS"])}
-    assert exposed == {port(ServerConfig().address), port(ServerConfig().metrics_address)}
+    names = ("address", "http_address", "metrics_address")
+    assert exposed == {port(env[env_name(name)]) for name in names}
+    assert exposed == {port(getattr(ServerConfig(), name)) for name in names}
     ignored = (ROOT / ".dockerignore").read_text(encoding="utf-8").split()
     assert {"build", ".venv", "tests"} <= set(ignored)
 
@@ -472,4 +473,9 @@ def test_compose_scales_the_cpu_replicas_without_host_port_clashes() -> None:
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
     ports = [str(p) for p in services["embed"]["ports"]]
     assert ports and all(":" not in p for p in ports), ports
-    assert {int(p) for p in ports} == {port(ServerConfig().address), port(ServerConfig().metrics_address)}
+    config = ServerConfig()
+    assert {int(p) for p in ports} == {
+        port(config.address),
+        port(config.http_address),
+        port(config.metrics_address),
+    }
