@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from tqdm import tqdm
 
 from minilm_embed.client import bulk
 from minilm_embed.client.client import (
@@ -114,11 +115,34 @@ def bulk_job(args: argparse.Namespace) -> bulk.Job:
     )
 
 
+@contextlib.contextmanager
+def progress() -> Iterator[Callable[[int], None]]:
+    """tqdm's bar where tqdm is installed (`minilm-embed[progress]`), else a count at the end: the
+    client alone needs only grpcio, protobuf and numpy."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        done = [0]
+
+        def count(n: int) -> None:
+            done[0] += n
+
+        yield count
+        print(f"{done[0]} texts embedded", file=sys.stderr)
+        return
+    with tqdm(unit="text", file=sys.stderr) as bar:
+
+        def advance(n: int) -> None:
+            bar.update(n)
+
+        yield advance
+
+
 async def embed_file(job: bulk.Job, address: str, timeout: float, security: Security) -> bulk.Stats:
     async with AsyncEmbeddingClient(address, timeout, security) as c:
         dims = (await c.info()).dimensions
-        with tqdm(unit="text", file=sys.stderr) as bar:
-            return await bulk.run_job(job, c, dims, bar.update)
+        with progress() as update:
+            return await bulk.run_job(job, c, dims, update)
 
 
 def cmd_embed_file(args: argparse.Namespace) -> int:

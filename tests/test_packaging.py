@@ -3,7 +3,7 @@ stubs generated at build time), installed client-only into a fresh virtual envir
 ONNX Runtime and no torch, whose console script embeds a sentence through a real server.
 
 Needs the network or pip's cache: the build requirements (setuptools, grpcio-tools) and the client's
-dependencies (grpcio, protobuf, numpy, tqdm) are installed by pip as for a user.
+dependencies (grpcio, protobuf, numpy) are installed by pip as for a user.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 NAMESPACE = "minilm_embed"
 OLD_TOP_LEVEL = ("server", "model", "proto", "client", "export")
-CLIENT_DEPENDENCIES = {"grpcio", "protobuf", "numpy", "tqdm"}
+CLIENT_DEPENDENCIES = {"grpcio", "protobuf", "numpy"}
 NOT_IN_A_CLIENT = ("onnxruntime", "onnxruntime-gpu", "torch", "tokenizers", "pyzmq")
 STUBS = ("embedding_pb2.py", "embedding_pb2.pyi", "embedding_pb2_grpc.py")
 TEXT = "A man is playing a guitar."
