@@ -121,6 +121,24 @@ def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) ->
     return result
 
 
+def measured_row(
+    concurrency: int,
+    per_request: int,
+    latencies: list[float],
+    totals: dict[str, int],
+    codes: Counter[str],
+    elapsed: float,
+) -> Row:
+    """One load level's row: rates over the elapsed time, latency percentiles in ms."""
+    lat = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
+    return Row(
+        "", concurrency, per_request, len(latencies), totals["errors"],
+        totals["inputs"] / elapsed, totals["tokens"] / elapsed,
+        float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
+        ", ".join(f"{k} {v}" for k, v in codes.most_common()),
+    )  # fmt: skip
+
+
 async def load(address: str, texts: list[str], concurrency: int, per_request: int, seconds: float) -> Row:
     rng = random.Random(concurrency * 1000 + per_request)
     latencies: list[float] = []
@@ -153,13 +171,7 @@ async def load(address: str, texts: list[str], concurrency: int, per_request: in
     elapsed = time.perf_counter() - started
     for client in clients:
         await client.close()
-    lat = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
-    return Row(
-        "", concurrency, per_request, len(latencies), totals["errors"],
-        totals["inputs"] / elapsed, totals["tokens"] / elapsed,
-        float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
-        ", ".join(f"{k} {v}" for k, v in codes.most_common()),
-    )  # fmt: skip
+    return measured_row(concurrency, per_request, latencies, totals, codes, elapsed)
 
 
 async def load_http(
@@ -199,13 +211,7 @@ async def load_http(
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    lat = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
-    return Row(
-        "", concurrency, per_request, len(latencies), totals["errors"],
-        totals["inputs"] / elapsed, totals["tokens"] / elapsed,
-        float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
-        ", ".join(f"{k} {v}" for k, v in codes.most_common()),
-    )  # fmt: skip
+    return measured_row(concurrency, per_request, latencies, totals, codes, elapsed)
 
 
 def run_http_levels(flags: list[str], texts: list[str], seconds: float, http_first: bool) -> list[Row]:

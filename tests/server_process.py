@@ -36,6 +36,13 @@ def flags(settings: Mapping[str, object]) -> list[str]:
     return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
 
 
+def loopback_command(*args: str) -> list[str]:
+    """`python -m minilm_embed.server` on ports the OS picks (HTTP too: never the default :8080 of a
+    shared machine), without /metrics."""
+    listen = ["--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--metrics-address", ""]
+    return [sys.executable, "-m", "minilm_embed.server", *listen, *args]
+
+
 def model_dir() -> Path:
     return Path(os.environ.get("EMBED_MODEL_DIR", ROOT / "build" / "model"))
 

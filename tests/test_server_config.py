@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 
 from minilm_embed.client.client import EmbeddingClient
 from minilm_embed.server.config import ConfigError, ServerConfig, build_parser, env_name, load_config
-from tests.server_process import model_dir, start_server
+from tests.server_process import loopback_command, model_dir, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
@@ -88,16 +87,7 @@ def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, mess
 
 
 def run_server(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "minilm_embed.server",
-        "--address",
-        "127.0.0.1:0",
-        "--metrics-address",
-        "",
-    ]
-    command += ["--http-address", "127.0.0.1:0", "--model-dir", str(model_dir()), *args]
+    command = loopback_command("--model-dir", str(model_dir()), *args)
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

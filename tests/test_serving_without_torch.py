@@ -21,7 +21,7 @@ from minilm_embed.export.optimize import cpu_session
 from minilm_embed.model.repository import FP32_FILE, TOKENIZER_FILE, read_manifest
 from minilm_embed.model.runtime import run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
-from tests.server_process import ROOT, ServerProcess
+from tests.server_process import ROOT, ServerProcess, loopback_command
 from tests.test_deploy import stages
 
 # Imported first by every Python process that has this directory on PYTHONPATH. It also drops the
@@ -118,18 +118,8 @@ def reference(model_dir: Path) -> np.ndarray:
 
 def test_server_serves_a_real_embed_call_without_torch(image, model_dir: Path) -> None:
     app, env = image
-    command = [
-        sys.executable,
-        "-m",
-        "minilm_embed.server",
-        "--address",
-        "127.0.0.1:0",
-        "--metrics-address",
-        "",
-    ]
-    command += ["--http-address", "127.0.0.1:0"]  # never the default :8080 on a shared machine
     proc = subprocess.Popen(
-        [*command, "--model-dir", str(model_dir.resolve())],
+        loopback_command("--model-dir", str(model_dir.resolve())),
         cwd=app,
         env=env,
         stderr=subprocess.PIPE,
