@@ -295,7 +295,9 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     outcome = {"code": 0}
 
     def engine_gone() -> None:
-        log.error("front %d: %s", index, ENGINE_GONE)
+        # An engine that never became ready failed to start: the supervisor reports why, in one line.
+        if front.readiness.ready:
+            log.error("front %d: %s", index, ENGINE_GONE)
         front.engine.engine_gone(ENGINE_GONE)
         outcome["code"] = 1
         stop.set()

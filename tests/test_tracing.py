@@ -48,7 +48,7 @@ async def _traced(scenario: Scenario, tmp_path: Path) -> None:
     engine_task = asyncio.create_task(engine.serve(address, stop, lambda facts: None))
     exporter = InMemorySpanExporter()
     front = create_front(
-        config, 0, "127.0.0.1:0", address, depth, RequestTracer(SimpleSpanProcessor(exporter))
+        config, 0, "127.0.0.1:0", address, depth, tracer=RequestTracer(SimpleSpanProcessor(exporter))
     )
     await start(front)
     try:
