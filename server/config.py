@@ -138,7 +138,7 @@ _HELP = {
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
     "max_message_bytes": "largest gRPC message received or sent, and largest HTTP request body",
     "max_request_bytes_in_flight": (
-        "bytes of requests received and not yet answered per front process; beyond it requests get "
+        "bytes of requests being parsed and tokenized per front process; beyond it requests get "
         "RESOURCE_EXHAUSTED before they are parsed (at least max_message_bytes)"
     ),
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",

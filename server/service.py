@@ -54,7 +54,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
-    # bytes before it is parsed, so a flood of 8 MB requests past it costs no parsing.
+    # bytes before it is parsed, so a flood of large requests past it costs no parsing.
 
     async def Embed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         return await self._serve(
