@@ -29,6 +29,7 @@ from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Row
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.errors import ServiceError
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.proctitle import name_process
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,7 @@ def run_engine(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    name_process("embed-engine")
     logs.configure(config.log_level, config.log_format)  # a spawned process starts unconfigured
 
     def publish_depth(value: int) -> None:

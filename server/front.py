@@ -41,6 +41,7 @@ from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
 from minilm_embed.server.security import BearerAuth, load_token, server_credentials
 from minilm_embed.server.service import EmbeddingService, register
@@ -325,6 +326,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
 def run_front(config: ServerConfig, place: Place) -> None:
     """A front process's main (multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    name_process(f"embed-front-{place.index}")
     configure_logging(config)
     try:
         code = asyncio.run(serve_front(config, place))

@@ -70,30 +70,37 @@ def gauges(s: Scrape) -> dict[str, float]:
     return {name: s.value(name) for name in ("embed_queue_depth", "embed_requests_in_flight")}
 
 
-def rss_bytes(pid: int) -> int:
+def rss_by_process(pid: int) -> dict[str, int]:
     """VmRSS of a live process and every process under it (the server's supervisor, engine and
-    fronts), from /proc (Linux)."""
-    total = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            total = int(line.split()[1]) * 1024
-    assert total, f"no VmRSS for process {pid}"
+    fronts), from /proc (Linux), by name and pid: {"embed-engine:1234": bytes, ...}."""
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    assert "VmRSS" in status, f"no VmRSS for process {pid}"
+    found = {f"{status['Name'].strip()}:{pid}": int(status["VmRSS"].split()[0]) * 1024}
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             try:
-                total += rss_bytes(int(child))
+                found.update(rss_by_process(int(child)))
             except (FileNotFoundError, AssertionError):
                 continue  # it ended meanwhile
-    return total
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of a live process tree, in all."""
+    return sum(rss_by_process(pid).values())
 
 
 @dataclass
 class RssSampler:
-    """Samples a process tree's resident memory every `interval` seconds in a thread: (time, bytes)."""
+    """Samples a process tree's resident memory every `interval` seconds in a thread: (time, bytes),
+    and each process's alone."""
 
     pid: int
     interval: float = 1.0
     samples: list[tuple[float, int]] = field(default_factory=list)
+    by_process: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -109,8 +116,16 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), rss_bytes(self.pid)))
+            now, each = time.monotonic(), rss_by_process(self.pid)
+            self.by_process.append((now, each))
+            self.samples.append((now, sum(each.values())))
             self._stop.wait(self.interval)
+
+    def process_medians_mb(self, start: float, end: float) -> dict[str, float]:
+        """Each process's median resident MB between two times: which one grew."""
+        window = [each for t, each in self.by_process if start <= t < end]
+        names = sorted({name for each in window for name in each})
+        return {n: round(statistics.median(e[n] for e in window if n in e) / 2**20, 1) for n in names}
 
     def window_median(self, start: float, end: float) -> float:
         """Median resident bytes between two times: steady under the allocator's ups and downs."""

@@ -101,6 +101,8 @@ def test_soak_every_call_is_answered_correctly_or_refused_and_memory_stays_flat(
         rss_last_window_mb=round(last / 2**20, 1),
         rss_growth_pct=round(100 * growth, 2),
         rss_max_mb=round(max(b for _, b in rss.samples) / 2**20, 1),
+        rss_first_window_by_process_mb=rss.process_medians_mb(begin, begin + WINDOW_S),
+        rss_last_window_by_process_mb=rss.process_medians_mb(end - WINDOW_S, end),
         gauges_after=gauges(after),
     )
     assert set(seen) <= {"OK", "RESOURCE_EXHAUSTED"}, tally.unexpected("OK", "RESOURCE_EXHAUSTED")
