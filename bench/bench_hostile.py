@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.config import ServerConfig
-from tests.reliability.probes import rss_bytes
+from tests.reliability.probes import rss_by_process, rss_bytes
 from tests.server_process import ServerProcess, serving
 
 CALLERS = 16
@@ -139,13 +139,19 @@ def probe(address: str, stop_at: float, results: Any) -> None:
     results.put((codes, latencies))
 
 
-def settled_rss(process: ServerProcess, seconds: float = 10.0) -> float:
-    """The median of the server's resident memory over a few quiet seconds."""
-    samples = []
+def settled_rss(process: ServerProcess, seconds: float = 10.0) -> tuple[float, dict[str, int]]:
+    """The median of the server's resident memory over a few quiet seconds, in all and by process
+    (MiB; by name and pid: embed-engine:PID, embed-front-N:PID, and the supervisor's PID)."""
+    samples: list[dict[str, int]] = []
     for _ in range(int(seconds / 0.5)):
-        samples.append(rss_bytes(process.proc.pid))
+        samples.append(rss_by_process(process.proc.pid))
         time.sleep(0.5)
-    return float(np.median(samples))
+    names = {name for each in samples for name in each}
+    each = {
+        name.removeprefix("python:"): round(float(np.median([s[name] for s in samples if name in s])) / 2**20)
+        for name in sorted(names)
+    }
+    return float(np.median([sum(s.values()) for s in samples])), each
 
 
 KINDS = [
@@ -157,7 +163,7 @@ KINDS = [
 
 
 def one_flood(server: ServerProcess, kind: str, call: Call, seconds: float) -> dict[str, Any]:
-    idle = settled_rss(server, 3.0)
+    idle, idle_each = settled_rss(server, 3.0)
     peak = [idle]
 
     async def scenario() -> tuple[Counter[str], list[float]]:
@@ -173,13 +179,15 @@ def one_flood(server: ServerProcess, kind: str, call: Call, seconds: float) -> d
             sampler.cancel()
 
     codes, probes = asyncio.run(scenario())
-    after = settled_rss(server)
+    after, after_each = settled_rss(server)
     return {
         "kind": kind,
         "calls": dict(codes),
         "idle_mib": round(idle / 2**20),
         "peak_mib": round(max(peak) / 2**20),
         "after_mib": round(after / 2**20),
+        "idle_by_process_mib": idle_each,
+        "after_by_process_mib": after_each,
         "probe_p50_ms": round(float(np.median(probes)) * 1000, 1),
         "probe_p99_ms": round(float(np.percentile(probes, 99)) * 1000, 1),
     }

@@ -48,7 +48,7 @@ STOP_MARGIN_S = 10.0  # beyond the drain timeout, before a child that will not s
 # in the heap; two arenas, not one per thread. A flood of 8 MB requests otherwise left a front 100+ MB
 # larger for good (bench/bench_hostile.py). Not in the engine: ONNX Runtime's tensors are such
 # blocks, and mapping each op's output took the served model to half its speed.
-FRONT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
+FRONT_MALLOC = {"MALLOC_ARENA_MAX": "2"}
 # ...and in the engine: one arena for all its threads. With one per thread (glibc's default), the
 # batcher's and ONNX Runtime's threads left freed memory in heaps of their own, and a warm engine
 # under the soak's load grew in steps of 3-36 MB (a 64 MB thread heap filling) at a random moment of

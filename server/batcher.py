@@ -214,6 +214,12 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="model")
         self._tasks = [asyncio.create_task(self._loop(), name=f"batcher-{i}") for i in range(self.workers)]
 
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The threads batches run on (`workers` of them), e.g. to warm the model up on."""
+        assert self._executor is not None, "batcher not started"
+        return self._executor
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()

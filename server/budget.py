@@ -16,10 +16,13 @@ class Budget:
         self.setting = setting  # the flag that sets it, named in refusals
         self.what = what  # e.g. "characters being tokenized"
         self.in_use = 0
+        self.asked = 0  # units ever asked for, held or refused (front.reclaim_memory watches it)
+        self.open = 0  # Holds not yet closed: requests still being answered
         self._freed = asyncio.Event()
 
     def reserve(self, amount: int) -> None:
         """Take `amount`, or refuse: it never fits (INVALID_ARGUMENT), or not now (RESOURCE_EXHAUSTED)."""
+        self.asked += amount
         if amount > self.limit:
             raise InvalidInput(
                 f"{amount} {self.what} for one request can never fit {self.setting}={self.limit}; "
@@ -35,6 +38,7 @@ class Budget:
     async def wait_for(self, amount: int) -> Hold:
         """Take `amount` once it fits, however long that takes (a stream's reader, which meanwhile
         reads no further). Whatever its size it fits once nothing else is held."""
+        self.asked += amount
         while self.in_use and self.in_use + amount > self.limit:
             self._freed.clear()
             await self._freed.wait()
@@ -53,11 +57,16 @@ class Budget:
 
 
 class Hold:
-    """Part of a budget taken by one request: released once, early or at the end of a with-block."""
+    """Part of a budget taken by one request: released once, early or at the end of a with-block.
+
+    Open until the with-block ends (the request is answered), released or not: `Budget.open`.
+    """
 
     def __init__(self, budget: Budget, amount: int) -> None:
         self.budget = budget
         self.amount = amount
+        self._open = True
+        budget.open += 1
 
     def release(self) -> None:
         if self.amount:
@@ -69,6 +78,9 @@ class Hold:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+        if self._open:
+            self._open = False
+            self.budget.open -= 1
 
 
 def tokenizing_budget(limit: int) -> Budget:

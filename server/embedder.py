@@ -72,7 +72,6 @@ class Embedder:
         self.budget = budget
         self.request_bytes = request_bytes
         self.tracer = tracer
-        self.text_chars_seen = 0  # characters of text received, for front.reclaim_memory()
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
     def receiving(self, size: int) -> Hold:
@@ -124,7 +123,6 @@ class Embedder:
         Within the front's budget of characters being tokenized at once, refused beyond it.
         """
         self.tokenizer.check_texts(texts)
-        self.text_chars_seen += sum(map(len, texts))
         cost = tokenizing_cost(texts, whole)
         try:
             self.budget.reserve(cost)

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -66,13 +66,16 @@ def batch_limits(config: ServerConfig) -> BatchLimits:
     )
 
 
-def warm_up(backend: Backend, config: ServerConfig, longest: int) -> float:
-    """Run representative shapes, up to the batch budget, on every instance at once.
+def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor) -> float:
+    """Run representative shapes, up to the batch budget, on every instance at once, on `pool`: the
+    batcher's own model threads.
 
     First requests then do not pay for ORT's first-run allocations, and its memory arena reaches
     the high-water mark of concurrent full batches before serving. Without the concurrent part the
     600 s soak saw resident memory creep up 6.6% as rarer pairs of big batches met; with it, an
-    in-process run of random batches stayed within 0.2%.
+    in-process run of random batches stayed within 0.2%. On the model threads themselves, because
+    the kernels keep per-thread scratch buffers: warmed on threads of its own, the engine grew
+    another 33 MB at its first flood of 256-token batches (bench/bench_hostile.py).
     """
     started = time.perf_counter()
     shapes = []
@@ -85,9 +88,9 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int) -> float:
             ids = np.full((batch, length), 1000, dtype=np.int64)
             backend.run(ids, np.full(batch, length, dtype=np.int64))
 
-    with ThreadPoolExecutor(backend.instances, thread_name_prefix="warm-up") as pool:
-        for done in [pool.submit(one_instance) for _ in range(backend.instances)]:
-            done.result()
+    # Submitted together to an idle pool of `instances` threads: one call on each thread.
+    for done in [pool.submit(one_instance) for _ in range(backend.instances)]:
+        done.result()
     return time.perf_counter() - started
 
 
@@ -121,7 +124,8 @@ class Engine:
         self._channel = protocol.Channel(sock, self._receive)
         self.batcher.start()
         try:
-            warm_s = await asyncio.to_thread(warm_up, self.backend, self.config, self.repo.max_input_tokens)
+            longest, pool = self.repo.max_input_tokens, self.batcher.executor
+            warm_s = await asyncio.to_thread(warm_up, self.backend, self.config, longest, pool)
             self.metrics.warmup_seconds.set(warm_s)
             self.metrics.ready.set(1)  # the server is ready when the engine and every front are
             b = self.backend

@@ -35,7 +35,7 @@ from minilm_embed.model.repository import MANIFEST_FILE, TOKENIZER_FILE, Manifes
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__, logs, protocol
-from minilm_embed.server.budget import request_bytes_budget, tokenizing_budget
+from minilm_embed.server.budget import Budget, request_bytes_budget, tokenizing_budget
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
@@ -225,25 +225,31 @@ async def drain(front: Front, reason: str = "the server is shutting down") -> No
 
 
 RECLAIM_EVERY_S = 1.0
-RECLAIM_AFTER_CHARS = 32 << 20
+RECLAIM_AFTER_BYTES = 64 << 20
 
 
-async def reclaim_memory(embedder: Embedder) -> None:
-    """A full garbage collection, then glibc's malloc_trim: after every 32 M characters of text
-    received, and once the text stops coming.
+async def reclaim_memory(received: Budget) -> None:
+    """A garbage collection, then glibc's malloc_trim: after every 64 MB of requests received
+    (`received.asked`: admitted or refused), and once they stop coming and the last is answered
+    (requests admitted in a flood wait for the engine for seconds after it, holding their text).
 
-    Large requests end up in reference cycles inside grpc.aio's call handling (a refused 8 MB
+    Large requests end up in reference cycles inside grpc.aio's call handling (a refused 2 MB
     request is one), which only the cyclic collector frees, and it runs by object counts, blind to
     megabytes: a flood of 16 callers' refused 8 MB requests held 200+ MB more after each flood
-    until this ran.
+    until this ran. malloc_trim hands the freed pages back: the fronts' heap keeps large blocks
+    (mapping each one on its own made every 2 MB request cost a fresh mmap, its page faults and an
+    munmap: a third of the requests a front could read in a flood, bench/bench_hostile.py). Objects
+    from before serving are frozen out of the collector (`gc.freeze` in serve_front): a collection
+    took 40-60 ms of the event loop without that, ~15 ms with it.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     trim = getattr(libc, "malloc_trim", None)  # glibc only
-    reclaimed = previous = embedder.text_chars_seen
+    reclaimed = previous = received.asked
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
-        now = embedder.text_chars_seen
-        if now - reclaimed >= RECLAIM_AFTER_CHARS or (now == previous != reclaimed):
+        now = received.asked
+        quiet = now == previous and not received.open
+        if now - reclaimed >= RECLAIM_AFTER_BYTES or (quiet and now != reclaimed):
             reclaimed = now
             gc.collect()
             if trim is not None:  # off the event loop: ctypes releases the GIL during the call
@@ -308,12 +314,14 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     parent = multiprocessing.parent_process()
     if parent is not None:
         loop.add_reader(parent.sentinel, stop.set)  # the supervisor is gone: stop too
-    reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder))
+    reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder.request_bytes))
     starting = asyncio.create_task(start(front))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
     if starting.done() and starting.exception() is None:
         place.events.send(("serving", index, front.port))
+        gc.collect()
+        gc.freeze()  # what exists now lives as long as the process: the collector skips it from here on
         await stopping
     starting.cancel()
     reclaiming.cancel()

@@ -185,20 +185,19 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
         async def answer(data: bytes, held: Hold) -> None:
             item_id = ""
-            try:
-                item = parse(pb.EmbedStreamRequest, data)
-                item_id = item.id
-                response = await self._embed(item.request, deadline, held)
-                await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
-            except ServiceError as e:
-                await answers.put(_stream_error(item_id, e.code, str(e)))
-            except Exception:  # every item gets an answer, even after a bug
-                log.exception("EmbedStream item failed")
-                await answers.put(
-                    _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
-                )
-            finally:
-                held.release()
+            with held:
+                try:
+                    item = parse(pb.EmbedStreamRequest, data)
+                    item_id = item.id
+                    response = await self._embed(item.request, deadline, held)
+                    await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
+                except ServiceError as e:
+                    await answers.put(_stream_error(item_id, e.code, str(e)))
+                except Exception:  # every item gets an answer, even after a bug
+                    log.exception("EmbedStream item failed")
+                    await answers.put(
+                        _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
+                    )
 
         def finished(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
