@@ -43,11 +43,11 @@ from minilm_embed.server.security import load_token, server_credentials
 log = logging.getLogger(__name__)
 
 STOP_MARGIN_S = 10.0  # beyond the drain timeout, before a child that will not stop is killed
-# glibc's allocator in the fronts (read when they start): blocks of 64 kB and more (texts, messages)
-# are mapped and unmapped on their own, so freed memory goes back to the system instead of staying
-# in the heap; two arenas, not one per thread. A flood of 8 MB requests otherwise left a front 100+ MB
-# larger for good (bench/bench_hostile.py). Not in the engine: ONNX Runtime's tensors are such
-# blocks, and mapping each op's output took the served model to half its speed.
+# glibc's allocator in the fronts (read when they start): two arenas, not one per thread. Large
+# blocks (requests, texts) stay in the heap and front.reclaim_memory hands freed pages back with
+# malloc_trim. Mapping each block of 64 kB or more on its own (MALLOC_MMAP_THRESHOLD_) gave memory
+# back at once, but every 2 MB request then cost an mmap, its page faults and an munmap: a front in a
+# flood read a third of the requests it reads now, and a probe waited 100 ms (bench/bench_hostile.py).
 FRONT_MALLOC = {"MALLOC_ARENA_MAX": "2"}
 # ...and in the engine: one arena for all its threads. With one per thread (glibc's default), the
 # batcher's and ONNX Runtime's threads left freed memory in heaps of their own, and a warm engine

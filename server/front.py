@@ -226,12 +226,15 @@ async def drain(front: Front, reason: str = "the server is shutting down") -> No
 
 RECLAIM_EVERY_S = 1.0
 RECLAIM_AFTER_BYTES = 64 << 20
+RECLAIM_QUIET_S = (1, 5)  # seconds into a quiet spell (nothing received, nothing being answered)
 
 
 async def reclaim_memory(received: Budget) -> None:
     """A garbage collection, then glibc's malloc_trim: after every 64 MB of requests received
-    (`received.asked`: admitted or refused), and once they stop coming and the last is answered
-    (requests admitted in a flood wait for the engine for seconds after it, holding their text).
+    (`received.asked`: admitted or refused), and 1 s and 5 s into the quiet after them (nothing
+    received and the last request answered: those admitted in a flood wait seconds for the engine
+    after it, holding their text; the second time catches what is freed after the first, e.g. when
+    gRPC lets go of the callers' connections).
 
     Large requests end up in reference cycles inside grpc.aio's call handling (a refused 2 MB
     request is one), which only the cyclic collector frees, and it runs by object counts, blind to
@@ -245,12 +248,17 @@ async def reclaim_memory(received: Budget) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     trim = getattr(libc, "malloc_trim", None)  # glibc only
     reclaimed = previous = received.asked
+    quiet_s, since_quiet = 0, False  # seconds of quiet; anything received or answered since then?
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
         now = received.asked
-        quiet = now == previous and not received.open
-        if now - reclaimed >= RECLAIM_AFTER_BYTES or (quiet and now != reclaimed):
+        if now != previous or received.open:
+            quiet_s, since_quiet = 0, True
+        else:
+            quiet_s += 1
+        if now - reclaimed >= RECLAIM_AFTER_BYTES or (since_quiet and quiet_s in RECLAIM_QUIET_S):
             reclaimed = now
+            since_quiet = since_quiet and quiet_s < RECLAIM_QUIET_S[-1]
             gc.collect()
             if trim is not None:  # off the event loop: ctypes releases the GIL during the call
                 await asyncio.to_thread(trim, 0)
