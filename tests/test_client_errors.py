@@ -67,8 +67,11 @@ def test_async_client_raises_invalid_input_naming_the_input(server):
 
 
 def test_a_deadline_too_short_for_the_call_raises_deadline_exceeded(server):
+    # A call that cannot finish in time whatever gRPC rounds the deadline to (its timers tick in
+    # milliseconds: an Info call once beat a 1 us deadline): 64 texts of ~100 tokens to embed.
+    texts = [f"text {i}: " + "several words for the model to read, " * 12 for i in range(64)]
     with EmbeddingClient(server.address, timeout=1e-6) as c, pytest.raises(DeadlineExceeded):
-        c.info()
+        c.embed(texts)
 
 
 def test_no_server_raises_unavailable():
