@@ -186,8 +186,8 @@ class HttpApi:
             code = grpc.StatusCode.INTERNAL
             response = error_response(BackendFailure(INTERNAL))
         finally:
+            self.metrics.requests.labels(method, code.name).inc()  # before leaving in-flight, as gRPC
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(method, code.name).inc()
             duration = time.perf_counter() - started
             self.metrics.request_duration.labels(method, size_class(inputs[0])).observe(duration)
         response.headers[logs.REQUEST_ID_HEADER] = request_id
