@@ -3,7 +3,9 @@
     python bench/bench_front.py --model-dir build/model [--data-dir ../shared/data] [--seconds 6]
 
 1. Baselines measured here, in this run: the floor of a Python gRPC server (an asyncio handler that
-   does nothing, same client, same load), and one front/engine round trip over ZeroMQ.
+   does nothing, same client, same load), one front/engine round trip over ZeroMQ, and the CPU the
+   tokenizer costs per sentence (the library with its own normaliser vs the service's Tokenizer,
+   which normalises ASCII texts itself; interleaved, one thread, batches of 32).
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
    (`python -m tests.stand_in_server instant`, never startable from `minilm-embed-serve`), with 1 and
    2 front processes: requests/s, sentences/s, and the server's CPU time per request and per sentence,
@@ -29,12 +31,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import zmq
+from tokenizers import Tokenizer as HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_server import Row, ceiling, load, load_http, sentences, table
 
+from minilm_embed.model.repository import TOKENIZER_FILE
+from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from tests.server_process import start_server
 
@@ -168,6 +173,28 @@ def zmq_round_trip(rounds: int = 20000, dims: int = 384) -> dict[str, float]:
     return {"round_trip_us": wall / rounds * 1e6, "cpu_us_both_sides": cpu / rounds * 1e6}
 
 
+def tokenizer_cost(model_dir: Path, texts: list[str], rounds: int = 5) -> dict[str, float]:
+    """CPU us per sentence, batches of 32 (one thread): the library's tokenizer with its own
+    normaliser, and the service's Tokenizer; rounds interleaved, the median of each."""
+    library = HFTokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+    library.no_padding()
+    library.enable_truncation(256)
+    service = Tokenizer(model_dir / TOKENIZER_FILE, 256)
+    batches = [texts[i : i + 32] for i in range(0, len(texts) - 31, 32)]
+    ways = {
+        "library_us_per_sentence": lambda b: [e.ids for e in library.encode_batch_fast(b)],
+        "service_us_per_sentence": lambda b: service.encode(b).ids,
+    }
+    costs: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, encode in ways.items():
+            started = time.process_time()
+            for batch in batches:
+                encode(batch)
+            costs[name].append((time.process_time() - started) / (32 * len(batches)) * 1e6)
+    return {name: float(np.median(runs)) for name, runs in costs.items()}
+
+
 def capacity_table(rows: list[Capacity]) -> str:
     lines = [
         "| setup | inputs/req | requests/s | sentences/s | server CPU us/request | us/sentence | errors |",
@@ -213,12 +240,14 @@ def main() -> None:
     args = p.parse_args()
     texts = sentences(args.data_dir)
     trip = zmq_round_trip()
+    tokenizing = tokenizer_cost(args.model_dir, texts)
     rows = grpc_floor(texts, args.seconds)
     for fronts in (1, 2):
         rows += stand_in(args.model_dir, fronts, texts, args.seconds)
-    print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}\n")
+    print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}")
+    print(f"tokenizer CPU per sentence, batches of 32, one thread: {tokenizing}\n")
     print(capacity_table(rows))
-    report: dict[str, object] = {"zmq": trip, "capacity": [asdict(r) for r in rows]}
+    report: dict[str, object] = {"zmq": trip, "tokenizer": tokenizing, "capacity": [asdict(r) for r in rows]}
     if not args.skip_real_model:
         real = real_model(args.model_dir, texts, args.seconds, args.repeats)
         print("\n" + real)

@@ -7,6 +7,8 @@ those pad ids as real tokens cost 12.6 points of STS-B Spearman. So padding is s
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,32 @@ from tokenizers import Tokenizer as HFTokenizer
 # tokenizer's work and memory grow with the text (100 kB took ~0.1 s and ~2.5 MB), the model keeps
 # 256 tokens (~1,200 characters of English).
 PREFIX_CHARS = 4096
+
+
+# What BERT's uncased normaliser (clean text, then lowercase and strip accents) does to an ASCII text:
+# control characters are dropped, except tab, newline and carriage return, which become spaces, and
+# letters are lowercased (ASCII has nothing to decompose, no accents to strip, no CJK to space out).
+# Done here with str methods it skips the normaliser's per-character Unicode work and alignment
+# bookkeeping, ~40% of tokenizing (tests/test_tokenizer.py holds it to the library's normaliser).
+_ASCII_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ASCII_CLEAN = {c: None for c in (*range(0x20), 0x7F)} | {ord("\t"): " ", ord("\n"): " ", ord("\r"): " "}
+
+
+def _normalize_ascii(text: str) -> str:
+    lowered = text.lower()
+    return lowered.translate(_ASCII_CLEAN) if _ASCII_CONTROL.search(lowered) else lowered
+
+
+def _is_bert_uncased(tokenizer: HFTokenizer) -> bool:
+    """True when the tokenizer's normaliser is BERT's, cleaning and lowercasing (so, for ASCII text,
+    exactly _normalize_ascii)."""
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer") or {}
+    return (
+        normalizer.get("type") == "BertNormalizer"
+        and normalizer.get("clean_text") is True
+        and normalizer.get("lowercase") is True
+        and normalizer.get("strip_accents") in (None, True)
+    )
 
 
 @dataclass(frozen=True)
@@ -44,6 +72,13 @@ class Tokenizer:
         self._truncating = HFTokenizer.from_file(str(path))
         self._truncating.no_padding()
         self._truncating.enable_truncation(max_length)
+        # ASCII texts skip the normaliser (done by _normalize_ascii instead) when it is BERT's uncased one.
+        self._ascii: HFTokenizer | None = None
+        if _is_bert_uncased(self._truncating):
+            self._ascii = HFTokenizer.from_file(str(path))
+            self._ascii.normalizer = None
+            self._ascii.no_padding()
+            self._ascii.enable_truncation(max_length)
         # Only asked for the full length of inputs that were cut, to report it.
         self._full = HFTokenizer.from_file(str(path))
         self._full.no_padding()
@@ -69,7 +104,7 @@ class Tokenizer:
             original: list[int] = []
         else:
             short = [text for text in texts if len(text) <= PREFIX_CHARS] if long else texts
-            encodings = self._truncating.encode_batch_fast(short)  # no offsets
+            encodings = self._encode_short(short)
             ids = [e.ids for e in encodings]
             truncated = [bool(e.overflowing) for e in encodings]
             original = [
@@ -86,6 +121,20 @@ class Tokenizer:
                 lower_bound.insert(i, bound)
                 truncated.insert(i, count > len(row))
         return Tokenized(ids, truncated, original, lower_bound)
+
+    def _encode_short(self, texts: list[str]) -> list[Encoding]:
+        """Texts of at most PREFIX_CHARS, truncated to the model's limit, no offsets; ASCII ones
+        without the library's normaliser, in one batch call, the others in another."""
+        if self._ascii is None:
+            return self._truncating.encode_batch_fast(texts)
+        plain = [i for i, text in enumerate(texts) if text.isascii()]  # O(1) per text in CPython
+        if len(plain) == len(texts):
+            return self._ascii.encode_batch_fast([_normalize_ascii(t) for t in texts])
+        rest = [i for i, text in enumerate(texts) if not text.isascii()]
+        cleaned = self._ascii.encode_batch_fast([_normalize_ascii(texts[i]) for i in plain])
+        done = dict(zip(plain, cleaned, strict=True))
+        done.update(zip(rest, self._truncating.encode_batch_fast([texts[i] for i in rest]), strict=True))
+        return [done[i] for i in range(len(texts))]
 
     def _from_prefix(self, text: str, prefix: Encoding) -> tuple[list[int], int, bool]:
         """(ids as if the whole text were tokenized and truncated, original tokens, lower bound?).

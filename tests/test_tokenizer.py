@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from minilm_embed.model.tokenizer import PREFIX_CHARS, Tokenizer, pad_batch
 
@@ -142,3 +147,67 @@ def test_long_and_short_texts_mixed_keep_their_order(tokenizer):
     assert together.original_lengths == [a.original_lengths[0] for a in alone]
     assert together.lower_bound == [a.lower_bound[0] for a in alone]
     assert together.truncated == [a.truncated[0] for a in alone]
+
+
+# ASCII texts skip the library's normaliser: held to what that normaliser gives -------------------------
+
+
+def library_tokenizer(path: Path, max_length: int = 256) -> HFTokenizer:
+    """The library's tokenizer as tokenizer.json defines it (its own normaliser), unpadded, truncated."""
+    library = HFTokenizer.from_file(str(path))
+    library.no_padding()
+    library.enable_truncation(max_length)
+    return library
+
+
+@pytest.fixture(scope="module")
+def library(encoder_and_checkpoint) -> HFTokenizer:
+    return library_tokenizer(encoder_and_checkpoint[1].directory / "tokenizer.json")
+
+
+def ascii_texts(count: int, seed: int = 0) -> list[str]:
+    """Every ASCII character alone and inside words, then random ASCII strings that lean on what the
+    normaliser changes: capitals, control characters, tabs, newlines, carriage returns, punctuation."""
+    rng = random.Random(seed)
+    alphabet = [chr(c) for c in range(128)] + list("AZaz09 .,'-") * 4
+    texts = [chr(c) for c in range(128)] + [f"Ab{chr(c)}Cd e{chr(c)}F" for c in range(128)]
+    texts += ["".join(rng.choices(alphabet, k=rng.randint(0, 300))) for _ in range(count)]
+    return texts
+
+
+def test_ascii_texts_get_the_ids_of_the_librarys_own_normaliser(tokenizer, library):
+    texts = ascii_texts(2000)
+    got = tokenizer.encode(texts)
+    expected = library.encode_batch(texts)
+    assert got.ids == [e.ids for e in expected]
+    assert got.truncated == [bool(e.overflowing) for e in expected]
+
+
+def test_sts_b_sentences_get_the_ids_of_the_librarys_own_normaliser(tokenizer, library, data_dir):
+    if data_dir is None:
+        pytest.skip("no data directory (EMBED_DATA_DIR)")
+    lines = (data_dir / "stsbenchmark" / "sts-train.csv").read_text(encoding="utf-8").splitlines()
+    texts = [text for line in lines for text in line.split("\t")[5:7]]
+    assert len(texts) > 10_000 and sum(t.isascii() for t in texts) > 0.9 * len(texts)
+    assert tokenizer.encode(texts).ids == [e.ids for e in library.encode_batch(texts)]
+
+
+def test_a_batch_of_ascii_and_other_texts_keeps_its_order(tokenizer, library):
+    texts = ["Hello THERE", "Café NAÏVE", "a\tb\r\nC", "中文 Text", "", "x\x00Y", "“Quoted” — dash", "end."]
+    got = tokenizer.encode(texts)
+    assert got.ids == [e.ids for e in library.encode_batch(texts)]
+    assert got.ids == [tokenizer.encode([t]).ids[0] for t in texts]
+
+
+def test_a_cased_tokenizer_keeps_its_capitals(encoder_and_checkpoint, tmp_path):
+    """The ASCII shortcut stands in for the uncased BERT normaliser only: a tokenizer.json whose
+    normaliser keeps case gets its own normaliser's ids."""
+    source = encoder_and_checkpoint[1].directory / "tokenizer.json"
+    config = json.loads(source.read_text())
+    config["normalizer"]["lowercase"] = False
+    cased = tmp_path / "tokenizer.json"
+    cased.write_text(json.dumps(config))
+    texts = ["Hello THERE", "hello there", "A\tB"]
+    got = Tokenizer(cased, 256).encode(texts).ids
+    assert got == [e.ids for e in library_tokenizer(cased).encode_batch(texts)]
+    assert got[0] != got[1]  # case kept: "Hello" and "hello" are not the same ids
