@@ -12,7 +12,8 @@
    summed from /proc over every server process (not wall time); over gRPC, then over HTTP
    (POST /v1/embeddings, base64) on the same server.
 3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
-   1 and 32 sentences per request, and the unbatched server), with 1 and 2 fronts.
+   1 and 32 sentences per request, and the unbatched server), with 1 and 2 fronts; then a lone
+   request's latency, the server against the unbatched server, taking turns.
 Writes markdown to stdout and JSON to build/bench/front.json.
 """
 
@@ -27,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -229,6 +231,34 @@ def real_model(model_dir: Path, texts: list[str], seconds: float, repeats: int) 
     return table(rows, ceilings, unbatched)
 
 
+def lone_request_latency(model_dir: Path, texts: list[str], rounds: int, seconds: float) -> dict[str, Any]:
+    """Concurrency 1, one sentence per request: the server with its defaults against the unbatched
+    server (--max-batch-size 1), both up at once, taking turns (order alternating) for `rounds`
+    rounds; the median of each one's p50s. The machine's noise moves both alike."""
+    base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
+    servers = {
+        "batched": start_server(*base, metrics=False),
+        "unbatched": start_server(*base, "--max-batch-size", "1", metrics=False),
+    }
+    p50s: dict[str, list[float]] = {name: [] for name in servers}
+    try:
+        for server in servers.values():
+            server.wait_serving()
+        for i in range(rounds):
+            for name in sorted(servers, reverse=bool(i % 2)):
+                row = asyncio.run(load(servers[name].address, texts, 1, 1, seconds))
+                p50s[name].append(row.p50_ms)
+    finally:
+        for server in servers.values():
+            server.stop()
+    medians = {name: float(np.median(values)) for name, values in p50s.items()}
+    return {
+        "p50_ms_median": medians,
+        "p50_ms_rounds": p50s,
+        "batched_minus_unbatched_ms": medians["batched"] - medians["unbatched"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=Path("build/model"))
@@ -252,6 +282,9 @@ def main() -> None:
         real = real_model(args.model_dir, texts, args.seconds, args.repeats)
         print("\n" + real)
         report["real_model_markdown"] = real
+        lone = lone_request_latency(args.model_dir, texts, rounds=6, seconds=4.0)
+        print(f"\nconcurrency 1, one sentence, 6 alternating rounds of 4 s: {lone}")
+        report["lone_request"] = lone
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 
