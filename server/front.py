@@ -248,21 +248,25 @@ async def reclaim_memory(received: Budget) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     trim = getattr(libc, "malloc_trim", None)  # glibc only
     reclaimed = previous = received.asked
-    quiet_s, since_quiet = 0, False  # seconds of quiet; anything received or answered since then?
+    # Seconds since requests last came in or were being answered; None before the first request and
+    # once the quiet spell's last trim is done.
+    quiet_s: int | None = None
     while True:
         await asyncio.sleep(RECLAIM_EVERY_S)
         now = received.asked
         if now != previous or received.open:
-            quiet_s, since_quiet = 0, True
-        else:
+            quiet_s = 0
+        elif quiet_s is not None:
             quiet_s += 1
-        if now - reclaimed >= RECLAIM_AFTER_BYTES or (since_quiet and quiet_s in RECLAIM_QUIET_S):
+        previous = now
+        due = now - reclaimed >= RECLAIM_AFTER_BYTES or quiet_s in RECLAIM_QUIET_S
+        if quiet_s == RECLAIM_QUIET_S[-1]:
+            quiet_s = None  # this quiet spell is done with: nothing more to hand back until requests come
+        if due:
             reclaimed = now
-            since_quiet = since_quiet and quiet_s < RECLAIM_QUIET_S[-1]
             gc.collect()
             if trim is not None:  # off the event loop: ctypes releases the GIL during the call
                 await asyncio.to_thread(trim, 0)
-        previous = now
 
 
 def watch_process(pid: int, on_exit: Any) -> None:
