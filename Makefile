@@ -20,7 +20,7 @@ LINT_PATHS := model export server client bench tests scripts
 TYPED_PACKAGES := model export server client
 TYPECHECK_ROOT := .mypy_cache/packages
 
-.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-front soak clean
+.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-front bench-batcher soak clean
 
 install: $(STAMP)
 
@@ -92,7 +92,7 @@ lock:
 soak: $(STAMP) proto model
 	EMBED_SOAK_SECONDS=600 EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra tests/reliability/test_soak.py
 
-bench: bench-model bench-server bench-front
+bench: bench-model bench-server bench-front bench-batcher
 
 bench-model: $(STAMP) proto model
 	$(BIN)/python bench/bench_model.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
@@ -104,6 +104,10 @@ bench-server: $(STAMP) proto model
 # /proc, against the floor of an empty Python gRPC handler), then the real model with 1 and 2 fronts.
 bench-front: $(STAMP) proto model
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_front.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
+# The engine's batcher alone, in process, over an instant model: the inputs/s one engine can batch.
+bench-batcher: $(STAMP) proto
+	$(BIN)/python bench/bench_batcher.py
 
 clean:
 	rm -rf build dist $(VENV) *.egg-info proto/embedding/v1/*_pb2*.py proto/embedding/v1/*_pb2*.pyi

@@ -20,11 +20,12 @@ the same two cores (no barrier between threads inside an op; see README, "Settin
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
+import operator
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -96,7 +97,8 @@ class Request:
     enqueued: float
     deadline: float | None  # time.monotonic() value
     tag: str = ""  # the caller's request id, for log lines (server/logs.py)
-    offsets: np.ndarray = field(init=False)
+    sizes: list[int] = field(init=False)  # input i's length, and where its ids start, as Python ints:
+    starts: list[int] = field(init=False)  # read for every input in every batch choice
     remaining: int = field(init=False)
     embeddings: np.ndarray | None = None
     pooled: np.ndarray | None = None
@@ -104,8 +106,9 @@ class Request:
     spans: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.offsets = np.concatenate(([0], np.cumsum(self.rows.lengths[:-1]))).astype(np.int64)
-        self.remaining = len(self.rows)
+        self.sizes = self.rows.lengths.tolist()
+        self.starts = list(itertools.accumulate(self.sizes[:-1], initial=0))
+        self.remaining = len(self.sizes)
 
     @property
     def abandoned(self) -> bool:
@@ -154,7 +157,7 @@ def choose_batch(
     padding in the batch stays <= max_padding (padding still costs attention, whose share grows with
     the longest row; the inputs left out form their own batch next).
     """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)  # stable: equal lengths oldest first
     lo = hi = order.index(0)
     longest, real = lengths[0], lengths[0]
 
@@ -186,10 +189,10 @@ def choose_batch(
 
 def pad(batch: list[Entry], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The batch as ((B, T) int64 ids padded to the longest row, (B,) int64 lengths)."""
-    lengths = np.fromiter((r.rows.lengths[i] for r, i in batch), dtype=np.int64, count=len(batch))
+    lengths = np.fromiter((r.sizes[i] for r, i in batch), dtype=np.int64, count=len(batch))
     ids = np.full((len(batch), int(lengths.max())), pad_id, dtype=np.int64)
-    for row, ((request, i), length) in enumerate(zip(batch, lengths, strict=True)):
-        start = request.offsets[i]
+    for row, (request, i) in enumerate(batch):
+        start, length = request.starts[i], request.sizes[i]
         ids[row, :length] = request.rows.ids[start : start + length]
     return ids, lengths
 
@@ -202,7 +205,8 @@ class Batcher:
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
     on_depth: Callable[[int], None] = lambda depth: None  # told the queue depth whenever it changes
-    _queue: deque[Entry] = field(default_factory=deque)
+    # Oldest first. A list, not a deque: a batch reads and rewrites the window at its head by slicing.
+    _queue: list[Entry] = field(default_factory=list)
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
@@ -249,7 +253,7 @@ class Batcher:
         self.check_capacity(len(rows))
         future = asyncio.get_running_loop().create_future()
         request = Request(rows, future, time.monotonic(), deadline, tag)
-        self._queue.extend((request, i) for i in range(len(rows)))
+        self._queue.extend(zip(itertools.repeat(request), range(len(rows))))
         self._depth_changed()
         self._wakeup.set()
         return request
@@ -302,34 +306,44 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _live(self, entry: Entry, now: float) -> bool:
-        """False for an input to drop before compute: its caller went away or its deadline passed."""
-        request = entry[0]
+    @staticmethod
+    def _drop_reason(request: Request, now: float) -> str:
+        """Why a request's inputs are dropped before compute ("" if they are not): its caller went
+        away ("cancelled") or its deadline passed ("deadline"), which fails it."""
         expired = request.deadline is not None and now >= request.deadline
         if request.abandoned:
             # gRPC cancels the call when its deadline passes, usually before this check sees it.
-            self.metrics.dropped.labels("deadline" if expired else "cancelled").inc()
-            return False
+            return "deadline" if expired else "cancelled"
         if expired:
-            self.metrics.dropped.labels("deadline").inc()
             request.fail(Dropped("deadline exceeded while queued; the input was not computed"))
-            return False
-        return True
+            return "deadline"
+        return ""
 
     def _take_batch(self) -> list[Entry]:
-        """The next batch from the window at the head of the queue (dropping what is abandoned there)."""
+        """The next batch from the window at the head of the queue (dropping what is abandoned there).
+
+        Each request in the window is checked once, not once per input.
+        """
         now = time.monotonic()
-        head = [self._queue.popleft() for _ in range(min(self.limits.window, len(self._queue)))]
-        window = [e for e in head if self._live(e, now)]
+        size = min(self.limits.window, len(self._queue))
+        head = self._queue[:size]
+        requests = dict.fromkeys(map(operator.itemgetter(0), head))
+        dead = {r: why for r in requests if (why := self._drop_reason(r, now))}
+        window = head
+        if dead:
+            window = [e for e in head if e[0] not in dead]
+            for request, count in collections.Counter(e[0] for e in head if e[0] in dead).items():
+                self.metrics.dropped.labels(dead[request]).inc(count)
         if not window:
+            del self._queue[:size]
             self._depth_changed()
             return []
-        lengths = [int(r.rows.lengths[i]) for r, i in window]
+        lengths = [request.sizes[i] for request, i in window]
         chosen = choose_batch(
             lengths, self.limits.max_batch_tokens, self.limits.max_batch_size, self.limits.max_padding
         )
         taken = set(chosen)
-        self._queue.extendleft(reversed([e for i, e in enumerate(window) if i not in taken]))
+        self._queue[:size] = [e for i, e in enumerate(window) if i not in taken]  # the rest, in order
         self._depth_changed()
         return [window[i] for i in chosen]
 
@@ -382,7 +396,7 @@ class Batcher:
     def _resolve(
         self, batch: list[Entry], normalised: np.ndarray, pooled: np.ndarray, started: float, run_s: float
     ) -> None:
-        finite = np.isfinite(normalised).all(axis=1)
+        finite = np.isfinite(normalised).all(axis=1).tolist()
         span = (started, started + run_s)
         for row, (request, i) in enumerate(batch):
             if request.abandoned:
