@@ -127,9 +127,9 @@ class Tokenizer:
         without the library's normaliser, in one batch call, the others in another."""
         if self._ascii is None:
             return self._truncating.encode_batch_fast(texts)
-        plain = [i for i, text in enumerate(texts) if text.isascii()]  # O(1) per text in CPython
-        if len(plain) == len(texts):
+        if all(text.isascii() for text in texts):  # O(1) per text in CPython
             return self._ascii.encode_batch_fast([_normalize_ascii(t) for t in texts])
+        plain = [i for i, text in enumerate(texts) if text.isascii()]
         rest = [i for i, text in enumerate(texts) if not text.isascii()]
         cleaned = self._ascii.encode_batch_fast([_normalize_ascii(texts[i]) for i in plain])
         done = dict(zip(plain, cleaned, strict=True))

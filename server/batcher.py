@@ -97,8 +97,10 @@ class Request:
     enqueued: float
     deadline: float | None  # time.monotonic() value
     tag: str = ""  # the caller's request id, for log lines (server/logs.py)
-    sizes: list[int] = field(init=False)  # input i's length, and where its ids start, as Python ints:
-    starts: list[int] = field(init=False)  # read for every input in every batch choice
+    # Input i's length, and where its ids start in rows.ids, as Python ints: every batch choice reads
+    # them for every input in the window.
+    sizes: list[int] = field(init=False)
+    starts: list[int] = field(init=False)
     remaining: int = field(init=False)
     embeddings: np.ndarray | None = None
     pooled: np.ndarray | None = None

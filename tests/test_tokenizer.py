@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from minilm_embed.model.data import read_sts, sts_path
 from minilm_embed.model.tokenizer import PREFIX_CHARS, Tokenizer, pad_batch
 
 CLS, SEP, UNK = 101, 102, 100
@@ -186,8 +187,7 @@ def test_ascii_texts_get_the_ids_of_the_librarys_own_normaliser(tokenizer, libra
 def test_sts_b_sentences_get_the_ids_of_the_librarys_own_normaliser(tokenizer, library, data_dir):
     if data_dir is None:
         pytest.skip("no data directory (EMBED_DATA_DIR)")
-    lines = (data_dir / "stsbenchmark" / "sts-train.csv").read_text(encoding="utf-8").splitlines()
-    texts = [text for line in lines for text in line.split("\t")[5:7]]
+    texts = [text for pair in read_sts(sts_path(data_dir, "train")) for text in (pair.first, pair.second)]
     assert len(texts) > 10_000 and sum(t.isascii() for t in texts) > 0.9 * len(texts)
     assert tokenizer.encode(texts).ids == [e.ids for e in library.encode_batch(texts)]
 

@@ -153,15 +153,15 @@ def expire_in_queue(
     # The callers' deadlines pass a moment before the server's handlers and the engine's queue
     # see them: wait (bounded) until every call is counted as ended and its input as dropped,
     # whichever way; the test then checks which way.
-    last = [scrape(server) - before]
+    last: list[Scrape] = []
 
     def settled() -> bool:
-        last[0] = scrape(server) - before
+        last[:] = [scrape(server) - before]
         ended = last[0].requests("DEADLINE_EXCEEDED") + last[0].requests("CANCELLED")
         dropped = last[0].dropped("deadline") + last[0].dropped("cancelled")
         return ended >= len(texts) and dropped >= len(texts)
 
-    wait_for(settled, timeout=10.0, interval=0.1)
+    wait_for(settled, timeout=10.0, interval=0.1)  # calls settled() at least once
     return [o for o, _ in results], [t for _, t in results], last[0]
 
 
