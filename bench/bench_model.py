@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minilm_embed.export.optimize import CPU_DISABLED_OPTIMIZERS, cpu_session
+from minilm_embed.export.optimize import CPU_DISABLED_OPTIMIZERS, WEIGHT_MAX, cpu_session, int8_matmul_model
 from minilm_embed.export.parity import CARRIED_SENTENCES, onnx_embedder
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import read_sts, sts_path
@@ -313,23 +313,8 @@ def _ort_int8_matmul(
 ) -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
     """MatMulIntegerToFloat (uint8 x int8, per-row A scale), as the int8 graph runs it."""
     rng = np.random.default_rng(0)
-    helper, numpy_helper = onnx.helper, onnx.numpy_helper
-    weights = [
-        numpy_helper.from_array(rng.integers(-127, 128, (k, n)).astype(np.int8), "w"),
-        numpy_helper.from_array(np.full(n, 0.01, np.float32), "w_scale"),
-        numpy_helper.from_array(np.array(128, np.uint8), "zp"),
-    ]
-    node = helper.make_node(
-        "MatMulIntegerToFloat", ["x", "w", "x_scale", "w_scale", "zp"], ["y"], domain="com.microsoft"
-    )
-    inputs = [
-        helper.make_tensor_value_info("x", onnx.TensorProto.UINT8, [m, k]),
-        helper.make_tensor_value_info("x_scale", onnx.TensorProto.FLOAT, [m, 1]),
-    ]
-    output = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [m, n])
-    graph = helper.make_graph([node], "int8_matmul", inputs, [output], weights)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    w = rng.integers(-WEIGHT_MAX, WEIGHT_MAX + 1, (k, n)).astype(np.int8)
+    model = int8_matmul_model(w, np.full(n, 0.01, np.float32))
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), options, providers=[CPU_PROVIDER])

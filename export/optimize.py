@@ -18,6 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, numpy_helper
 
+from minilm_embed.export.onnx import IR_VERSION, OPSET
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
@@ -53,12 +54,18 @@ def graph_plan(directory: Path, int8: bool) -> tuple[Graph, ...]:
 
 MS_DOMAIN = "com.microsoft"
 SMOOTH_ALPHA = 0.5
+# Weights use 7 bits (-63..63). On x86 CPUs without VNNI (AVX2, or AVX-512 without VNNI: e.g. AMD
+# Zen 3, Intel Skylake) MLAS's u8 x s8 kernel sums pairs of products into int16 (vpmaddubsw), which
+# saturates once 255 x (|w1| + |w2|) passes 32,767: with 8-bit weights those CPUs computed other
+# vectors (STS-B dev Spearman gap 0.31, min cosine vs fp32 0.983 on a Zen 3) than VNNI and AMX CPUs,
+# which sum exactly. 255 x 2 x 63 = 32,130 cannot saturate, so every CPU computes the same integers.
+WEIGHT_MAX = 63
 # Activations are uint8 with zero point 128: symmetric int8 in the u8 x s8 layout VNNI computes.
 _EPS, _INV127, _ZP, _AXIS1 = "int8/eps", "int8/inv127", "int8/zp128", "int8/axis1"
 
 
 def quantize_int8(fp32: Path, out: Path, calibration_rows: list[list[int]], batch: int = 32) -> None:
-    """Per-token int8: every linear layer runs int8 x int8 on the VNNI kernels, batch-invariant.
+    """Per-token int8: every linear layer runs on MLAS's u8 x s8 kernels, batch-invariant.
 
     Each Gemm becomes: x * (1/smooth) -> int8 with one scale per row (token), computed in the graph
     -> MatMulIntegerToFloat against int8 weights with one scale per output channel -> + bias. A
@@ -67,8 +74,9 @@ def quantize_int8(fp32: Path, out: Path, calibration_rows: list[list[int]], batc
     smoothed first (SmoothQuant, alpha 0.5): a few input channels reach 25-30 (GELU outputs, the
     LayerNorm outputs feeding the FFN) against a median of 1.3-1.9, so each channel is divided by
     sqrt(max|x| / max|w|), calibrated on these rows, and its weight row multiplied by the same.
-    Measured on STS-B dev (AMD EPYC, ORT 1.31): Spearman -0.03 vs fp32 (-0.14 unsmoothed), min
-    cosine vs fp32 0.994, batch invariance 1.0000000.
+    Weights have 7 bits (WEIGHT_MAX), so the integer sums are exact on every x86 CPU. Measured on
+    STS-B dev (ORT 1.31): Spearman -0.03 vs fp32 (-0.14 unsmoothed), min cosine vs fp32 0.989, batch
+    invariance 1.0000000 (AMD EPYC Zen 3; with 8-bit weights on a Zen 4, VNNI: -0.03 and 0.994).
     """
     model = onnx.load(str(fp32))
     graph = model.graph
@@ -137,8 +145,8 @@ def int8_gemm_nodes(
     smooth = np.maximum(absmax, 1e-5) ** SMOOTH_ALPHA / w_max ** (1 - SMOOTH_ALPHA)
     smooth = smooth / np.exp(np.log(smooth).mean())  # geometric mean 1: scales stay near the original
     w = w * smooth[:, None]
-    col_scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127  # (N,)
-    w_int8 = np.clip(np.round(w / col_scale), -127, 127).astype(np.int8)
+    col_scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / WEIGHT_MAX  # (N,)
+    w_int8 = np.clip(np.round(w / col_scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8)
     p = node.name
     initializers = [
         numpy_helper.from_array((1 / smooth).astype(np.float32), p + "/inv_smooth"),
@@ -172,6 +180,29 @@ def int8_gemm_nodes(
         make("Add", [p + "/y", node.input[2]], list(node.output)),
     ]
     return nodes, initializers
+
+
+def int8_matmul_model(w_int8: np.ndarray, w_scale: np.ndarray) -> onnx.ModelProto:
+    """One MatMulIntegerToFloat as the int8 graph runs it: x (M, K) uint8 with zero point 128 and one
+    scale per row (input x_scale, (M, 1)) against int8 weights (K, N) with one scale per column."""
+    helper = onnx.helper
+    m, (k, n) = "rows", w_int8.shape
+    weights = [
+        numpy_helper.from_array(w_int8, "w"),
+        numpy_helper.from_array(w_scale.astype(np.float32), "w_scale"),
+        numpy_helper.from_array(np.array(128, np.uint8), "zp"),
+    ]
+    node = helper.make_node(
+        "MatMulIntegerToFloat", ["x", "w", "x_scale", "w_scale", "zp"], ["y"], domain=MS_DOMAIN
+    )
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.UINT8, [m, k]),
+        helper.make_tensor_value_info("x_scale", TensorProto.FLOAT, [m, 1]),
+    ]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])
+    graph = helper.make_graph([node], "int8_matmul", inputs, [output], weights)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
 
 
 def cpu_session(

@@ -23,6 +23,7 @@ from minilm_embed.export.optimize import (
     MS_DOMAIN,
     cpu_session,
     int8_gemm_nodes,
+    int8_matmul_model,
     int8_shared_constants,
 )
 from minilm_embed.export.parity import (
@@ -276,3 +277,26 @@ def test_built_int8_graph_quantises_every_linear_layer_and_passed_its_gate(model
     assert all(c["passed"] for c in checks.values())
     assert checks["int8 batch invariance"]["min_cosine"] >= INT8_MIN_BATCH_COSINE == 0.9999
     assert checks["int8 sts-b dev spearman vs fp32"]["gap"] <= INT8_MAX_SPEARMAN_GAP == 0.3
+
+
+def test_built_int8_graph_sums_exactly_on_this_cpu_even_at_extreme_activations(model_dir, built_manifest):
+    """The graph's vectors must not depend on the CPU it runs on. Without VNNI, MLAS's u8 x s8 kernel
+    adds pairs of products in int16 (saturating); with 8-bit weights that changed the vectors."""
+    if INT8_FILE not in {g["file"] for g in built_manifest["graphs"]}:
+        pytest.skip("the model repository was built without an int8 graph (no data directory)")
+    graph = onnx.load(str(model_dir / INT8_FILE), load_external_data=False).graph
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    matmuls = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat"]
+    assert len(matmuls) == 24
+    rng = np.random.default_rng(0)
+    for node in matmuls:
+        w = weights[node.input[1]]  # (K, N) int8
+        session = ort.InferenceSession(
+            int8_matmul_model(w, np.ones(w.shape[1], np.float32)).SerializeToString(),
+            providers=[CPU_PROVIDER],
+        )
+        top, zero = np.full((1, w.shape[0]), 255), np.zeros((1, w.shape[0]))
+        x = np.concatenate([top, zero, rng.integers(0, 256, (62, w.shape[0]))]).astype(np.uint8)
+        (got,) = session.run(None, {"x": x, "x_scale": np.ones((len(x), 1), np.float32)})
+        want = (x.astype(np.int64) - 128) @ w.astype(np.int64)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=node.name)
