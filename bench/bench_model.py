@@ -5,7 +5,8 @@
 Every setup embeds the same sentences (STS-B dev, else the project's parity sentences repeated), texts in
 and vectors out, tokenization included, with the same thread count:
 - sentence-transformers on torch (device cpu; it sorts inputs by length itself), batch 32 and 128, and
-  in bfloat16 at batch 32 (`model.to(torch.bfloat16)`, what a torch user gets in one line);
+  in bfloat16 at batch 32 (`model.to(torch.bfloat16)`, what a torch user gets in one line) where
+  torch has a native bf16 kernel on this CPU (AVX-512 BF16 or AMX; measured, else left out);
 - the model repository's session as the server builds it (export.optimize.cpu_session), batches of
   length-sorted or unsorted (file order) sentences, batch 32 and 128;
 - the same session with ORT's SkipLayerNormFusion switched back on, batch 32 sorted;
@@ -192,12 +193,13 @@ class Setup:
     layout: str = "2 threads"  # or "2 x 1 thread": the fp32 row a lower precision is compared with
 
 
-def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path) -> list[Setup]:
+def setups(args: argparse.Namespace, tokenizer: Tokenizer, weights_dir: Path, bf16: bool) -> list[Setup]:
     """Every setup measured, sentence-transformers first (its batch-32 vectors are the reference)."""
     st = st_texts(weights_dir, tokenizer.max_length)
     found = [Setup("sentence-transformers (torch)", "sorted by ST", batch, st(batch)) for batch in BATCHES]
-    bf16 = st_texts(weights_dir, tokenizer.max_length, torch.bfloat16)(32)
-    found.append(Setup("sentence-transformers bf16 (torch)", "sorted by ST", 32, bf16, "bf16"))
+    if bf16:
+        st_bf16 = st_texts(weights_dir, tokenizer.max_length, torch.bfloat16)(32)
+        found.append(Setup("sentence-transformers bf16 (torch)", "sorted by ST", 32, st_bf16, "bf16"))
     model = args.model_dir / FP32_FILE
     session = cpu_session(model, args.threads)
     for batch in BATCHES:
@@ -284,12 +286,23 @@ def flop_per_token(config: EncoderConfig) -> float:
     return 2.0 * config.num_layers * (4 * c * c + 2 * c * f)
 
 
-def matmul_peaks(threads: int, m: int = 2048, k: int = 2048, n: int = 2048) -> dict[str, float]:
+def bf16_is_native(m: int = 256, k: int = 384, n: int = 1536) -> tuple[bool, str]:
+    """Whether torch has a bf16 matmul kernel on this CPU, measured at the FFN's shape: without
+    AVX-512 BF16 or AMX its fallback runs ~50x slower than fp32 (1.4 vs 78 GFLOP/s on a Zen 3), and
+    the bf16 rows would take hours."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    fp32, bf16 = _rate(lambda: a @ b, m, k, n, calls=3), _rate(lambda: a16 @ b16, m, k, n, calls=3)
+    return bf16 >= fp32 / 2, f"torch bf16 {bf16:,.1f} vs fp32 {fp32:,.1f} GFLOP/s at {m}x{k}x{n}"
+
+
+def matmul_peaks(threads: int, bf16: bool, m: int = 2048, k: int = 2048, n: int = 2048) -> dict[str, float]:
     """GFLOP/s (GOP/s for int8) of one big matmul: torch fp32 and bf16, and ORT's int8 kernel."""
     a, b = torch.randn(m, k), torch.randn(k, n)
     peaks = {"fp32": _rate(lambda: a @ b, m, k, n)}
-    a16, b16 = a.bfloat16(), b.bfloat16()
-    peaks["bf16"] = _rate(lambda: a16 @ b16, m, k, n)
+    if bf16:
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        peaks["bf16"] = _rate(lambda: a16 @ b16, m, k, n)
     session, feed = _ort_int8_matmul(threads, m, k, n)
     peaks["int8"] = _rate(lambda: session.run(None, feed), m, k, n)
     return peaks
@@ -346,9 +359,10 @@ def main() -> int:
     texts, source = sentences(args.data_dir, args.sentences)
     work = Workload(texts, tokenizer.encode(texts).lengths, args.repeats)
     load_before = os.getloadavg()[0]
-    peaks = matmul_peaks(args.threads)
+    bf16, bf16_probe = bf16_is_native()
+    peaks = matmul_peaks(args.threads, bf16)
     per_token = flop_per_token(manifest.config)
-    results = run_all(setups(args, tokenizer, Path(manifest.source)), work, per_token, peaks)
+    results = run_all(setups(args, tokenizer, Path(manifest.source), bf16), work, per_token, peaks)
     load = (load_before, os.getloadavg()[0])
     print(
         f"{len(texts)} sentences ({source}), {sum(work.lengths)} real tokens, {args.threads} threads, "
@@ -360,6 +374,8 @@ def main() -> int:
         + ", ".join(f"{k} {v:,.0f} GFLOP/s" for k, v in peaks.items())
         + f"; the model's linear layers: {per_token / 1e6:.1f} MFLOP per real token"
     )
+    if not bf16:
+        print(f"no native bf16 matmul on this CPU ({bf16_probe}): the bf16 rows are left out")
     model = args.model_dir / FP32_FILE
     fusion = {
         "server_settings": skip_layer_norm_nodes(model, list(CPU_DISABLED_OPTIMIZERS)),
@@ -381,6 +397,7 @@ def main() -> int:
         "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
         "skip_layer_norm_nodes": fusion,
         "matmul_peaks_gflops": peaks,
+        "bf16_probe": {"native": bf16, "figures": bf16_probe},
         "flop_per_token": per_token,
         "results": [asdict(r) for r in results],
     }
