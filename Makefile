@@ -20,7 +20,7 @@ LINT_PATHS := model export server client bench tests scripts
 TYPED_PACKAGES := model export server client
 TYPECHECK_ROOT := .mypy_cache/packages
 
-.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-front bench-batcher soak clean
+.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-low-precision bench-front bench-batcher soak clean
 
 install: $(STAMP)
 
@@ -92,13 +92,17 @@ lock:
 soak: $(STAMP) proto model
 	EMBED_SOAK_SECONDS=600 EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra tests/reliability/test_soak.py
 
-bench: bench-model bench-server bench-front bench-batcher
+bench: bench-model bench-server bench-low-precision bench-front bench-batcher
 
 bench-model: $(STAMP) proto model
 	$(BIN)/python bench/bench_model.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 bench-server: $(STAMP) proto model
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_server.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
+# The int8 graph served beside fp32 served, against sentence-transformers fp32 and bf16 in process.
+bench-low-precision: $(STAMP) proto model
+	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_server.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR)) --low-precision
 
 # The front end's capacity with an instant stand-in model (1 and 2 fronts, server CPU per request from
 # /proc, against the floor of an empty Python gRPC handler), then the real model with 1 and 2 fronts.

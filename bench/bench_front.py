@@ -7,12 +7,13 @@
    tokenizer costs per sentence (the library with its own normaliser vs the service's Tokenizer,
    which normalises ASCII texts itself; interleaved, one thread, batches of 32).
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
-   (`python -m tests.stand_in_server instant`, never startable from `minilm-embed-serve`), with 1 and
-   2 front processes: requests/s, sentences/s, and the server's CPU time per request and per sentence,
-   summed from /proc over every server process (not wall time); over gRPC, then over HTTP
-   (POST /v1/embeddings, base64) on the same server.
+   (`python -m tests.stand_in_server instant`, never startable from `minilm-embed-serve`), with each
+   of --fronts front processes (1 and 2 by default; 1,2,4,8 on a 16-core GPU host, with
+   --load-processes 4 so that the client keeps up): requests/s, sentences/s, and the server's CPU
+   time per request and per sentence, summed from /proc over every server process (not wall time);
+   over gRPC, then over HTTP (POST /v1/embeddings, base64) on the same server.
 3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
-   1 and 32 sentences per request, and the unbatched server), with 1 and 2 fronts; then a lone
+   1 and 32 sentences per request, and the unbatched server), with each of --fronts; then a lone
    request's latency, the server against the unbatched server, taking turns.
 Writes markdown to stdout and JSON to build/bench/front.json.
 """
@@ -38,7 +39,7 @@ from tokenizers import Tokenizer as HFTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import Row, ceiling, load, load_http, sentences, table
+from bench_server import Row, ceiling, load, load_http, load_row, sentences, table
 
 from minilm_embed.model.repository import TOKENIZER_FILE
 from minilm_embed.model.tokenizer import Tokenizer
@@ -78,7 +79,14 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def measure(
-    setup: str, fronts: int, pid: int, address: str, texts: list[str], seconds: float, http: bool = False
+    setup: str,
+    fronts: int,
+    pid: int,
+    address: str,
+    texts: list[str],
+    seconds: float,
+    http: bool = False,
+    load_processes: int = 1,
 ) -> list[Capacity]:
     """Server CPU per request at each level; over gRPC at `address`, or over HTTP (base64) at it."""
     result = []
@@ -87,7 +95,7 @@ def measure(
         if http:
             row = asyncio.run(load_http(address, texts, concurrency, per_request, seconds, "base64"))
         else:
-            row = asyncio.run(load(address, texts, concurrency, per_request, seconds))
+            row = load_row(address, texts, concurrency, per_request, seconds, load_processes)
         cpu = tree_cpu_seconds(pid) - before
         requests = row.requests + row.errors
         result.append(
@@ -100,12 +108,14 @@ def measure(
     return result
 
 
-def stand_in(model_dir: Path, fronts: int, texts: list[str], seconds: float) -> list[Capacity]:
+def stand_in(
+    model_dir: Path, fronts: int, texts: list[str], seconds: float, load_processes: int
+) -> list[Capacity]:
     flags = ["--model-dir", str(model_dir), "--queue-limit", "16384", "--front-processes", str(fronts)]
     server = start_server(*flags, metrics=False, entry=STAND_IN).wait_serving()
     setup, pid = f"stand-in model, {fronts} front(s)", server.proc.pid
     try:
-        over_grpc = measure(setup, fronts, pid, server.address, texts, seconds)
+        over_grpc = measure(setup, fronts, pid, server.address, texts, seconds, load_processes=load_processes)
         return over_grpc + measure(f"{setup}, HTTP", fronts, pid, server.http_url, texts, seconds, http=True)
     finally:
         server.stop()
@@ -210,22 +220,23 @@ def capacity_table(rows: list[Capacity]) -> str:
     return "\n".join(lines)
 
 
-def real_model(model_dir: Path, texts: list[str], seconds: float, repeats: int) -> str:
+def real_model(
+    model_dir: Path, texts: list[str], seconds: float, repeats: int, fronts: list[int], load_processes: int
+) -> str:
     from bench_server import best_of, run_server_levels
 
     ceilings = ceiling(model_dir, texts, repeats)
     base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
     plan = [(1, 1), (64, 1), (1, 32), (64, 32)]
     series: dict[str, list[list[Row]]] = {}
-    setups = {
-        "server, 1 front": [*base, "--front-processes", "1"],
-        "server, 2 fronts": [*base, "--front-processes", "2"],
-        "server, max batch 1": [*base, "--max-batch-size", "1"],
-    }
+    setups = {f"server, {n} front(s)": [*base, "--front-processes", str(n)] for n in fronts}
+    setups["server, max batch 1"] = [*base, "--max-batch-size", "1"]
     for _ in range(repeats):
         for setup, flags in setups.items():
             levels = plan if "batch 1" not in setup else [(1, 1), (64, 1)]
-            series.setdefault(setup, []).append(run_server_levels(setup, flags, texts, levels, seconds))
+            series.setdefault(setup, []).append(
+                run_server_levels(setup, flags, texts, levels, seconds, load_processes)
+            )
     rows = [row for runs in series.values() for row in best_of(runs)]
     unbatched = {r.concurrency: r.tokens_per_s for r in rows if r.setup == "server, max batch 1"}
     return table(rows, ceilings, unbatched)
@@ -266,20 +277,33 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip-real-model", action="store_true")
+    p.add_argument(
+        "--fronts",
+        type=lambda v: [int(n) for n in v.split(",")],
+        default=[1, 2],
+        help="front process counts to measure, comma-separated (default 1,2; e.g. 1,2,4,8 on 16 cores)",
+    )
+    p.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="client processes generating the gRPC load at 64 callers (1 here; e.g. 4 on 16 cores, where "
+        "one asyncio client is slower than several fronts)",
+    )
     p.add_argument("--out", type=Path, default=Path("build/bench/front.json"))
     args = p.parse_args()
     texts = sentences(args.data_dir)
     trip = zmq_round_trip()
     tokenizing = tokenizer_cost(args.model_dir, texts)
     rows = grpc_floor(texts, args.seconds)
-    for fronts in (1, 2):
-        rows += stand_in(args.model_dir, fronts, texts, args.seconds)
+    for fronts in args.fronts:
+        rows += stand_in(args.model_dir, fronts, texts, args.seconds, args.load_processes)
     print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}")
     print(f"tokenizer CPU per sentence, batches of 32, one thread: {tokenizing}\n")
     print(capacity_table(rows))
     report: dict[str, object] = {"zmq": trip, "tokenizer": tokenizing, "capacity": [asdict(r) for r in rows]}
     if not args.skip_real_model:
-        real = real_model(args.model_dir, texts, args.seconds, args.repeats)
+        real = real_model(args.model_dir, texts, args.seconds, args.repeats, args.fronts, args.load_processes)
         print("\n" + real)
         report["real_model_markdown"] = real
         lone = lone_request_latency(args.model_dir, texts, rounds=6, seconds=4.0)

@@ -14,6 +14,12 @@ HTTP beside gRPC: at concurrency 1 and 64 with 1 and 32 inputs per request, each
 gRPC (float32 bytes) then over HTTP (POST /v1/embeddings, base64 as OpenAI's client asks by default,
 and float JSON at 32 inputs) on the same server, from one aiohttp session keeping a connection per
 caller alive; --http-only runs just this comparison.
+Low precision (--low-precision, only this): the int8 graph served (--precision int8) beside fp32
+served, at 64 callers x 1 and x 32 sentences, against each graph's in-process ceiling and
+sentence-transformers in process (batch 32, every core; fp32, and bf16 where torch has a native
+bf16 kernel: AVX-512 BF16 or AMX), written to build/bench/server_low_precision.json.
+
+    python bench/bench_server.py --model-dir build/model --data-dir ../shared/data --low-precision
 The load generator is one asyncio process sharing the machine's cores with the server.
 Writes markdown tables to stdout and JSON to build/bench/server.json.
 """
@@ -23,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +52,7 @@ from minilm_embed.client.client import AsyncEmbeddingClient, Security, embed_req
 from minilm_embed.export.optimize import cpu_session
 from minilm_embed.export.parity import CARRIED_SENTENCES
 from minilm_embed.model.data import read_sts, sts_path
-from minilm_embed.model.repository import FP32_FILE, TOKENIZER_FILE
+from minilm_embed.model.repository import FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
 from minilm_embed.model.runtime import run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from minilm_embed.server.backend import usable_cores
@@ -57,6 +65,7 @@ CALLS_PER_CHANNEL = 8
 # HTTP beside gRPC: (concurrency, inputs per request), and the response formats measured at each.
 HTTP_PLAN = ((1, 1), (64, 1), (1, 32), (64, 32))
 HTTP_FORMATS = {1: ("base64",), 32: ("base64", "float")}
+ST_SETUP = "sentence-transformers {}, in process"
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,9 @@ def sentences(data_dir: Path | None) -> list[str]:
     return CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines() * 50
 
 
-def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) -> list[Row]:
+def ceiling(
+    model_dir: Path, texts: list[str], repeats: int, batch: int = 32, graph: str = FP32_FILE
+) -> list[Row]:
     """In-process ORT on length-sorted batches, in both layouts; best of `repeats` passes each."""
     tokenizer = Tokenizer(model_dir / TOKENIZER_FILE, 256)
     rows = sorted(tokenizer.encode(texts).ids, key=len)
@@ -113,7 +124,7 @@ def ceiling(model_dir: Path, texts: list[str], repeats: int, batch: int = 32) ->
         (f"in-process ORT, 1 session x {cores} threads", cores, 1),
         (f"in-process ORT, {cores} callers x 1 thread", 1, cores),
     ):
-        session = cpu_session(model_dir / FP32_FILE, threads)
+        session = cpu_session(model_dir / graph, threads)
         run_all(session, callers)  # warm
         runs = [tokens / run_all(session, callers) for _ in range(repeats)]
         best = max(runs)
@@ -140,11 +151,28 @@ def measured_row(
 
 
 async def load(address: str, texts: list[str], concurrency: int, per_request: int, seconds: float) -> Row:
-    rng = random.Random(concurrency * 1000 + per_request)
+    return measured_row(
+        concurrency, per_request, *await _tally(address, texts, concurrency, per_request, seconds)
+    )
+
+
+Tally = tuple[list[float], dict[str, int], Counter[str], float]  # latencies, totals, error codes, elapsed
+
+
+async def _tally(
+    address: str,
+    texts: list[str],
+    concurrency: int,
+    per_request: int,
+    seconds: float,
+    seed: int = 0,
+    start_at: float = 0.0,
+) -> Tally:
+    """`concurrency` callers for `seconds`, from `start_at` (wall clock, time.time()) if given."""
+    rng = random.Random(concurrency * 1000 + per_request + seed * 1_000_003)
     latencies: list[float] = []
     totals = {"inputs": 0, "tokens": 0, "errors": 0}
     codes: Counter[str] = Counter()
-    stop_at = time.perf_counter() + seconds
 
     async def worker(client: AsyncEmbeddingClient) -> None:
         while time.perf_counter() < stop_at:
@@ -166,12 +194,38 @@ async def load(address: str, texts: list[str], concurrency: int, per_request: in
     clients = [AsyncEmbeddingClient(address, timeout=60, security=OwnConnection()) for _ in range(count)]
     for client in clients:
         await client.embed(texts[:4])  # connect
+    await asyncio.sleep(max(0.0, start_at - time.time()))
     started = time.perf_counter()
+    stop_at = started + seconds
     await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
     for client in clients:
         await client.close()
-    return measured_row(concurrency, per_request, latencies, totals, codes, elapsed)
+    return latencies, totals, codes, elapsed
+
+
+def _tally_in_process(args: tuple[str, list[str], int, int, float, int, float]) -> Tally:
+    return asyncio.run(_tally(*args))
+
+
+def load_row(
+    address: str, texts: list[str], concurrency: int, per_request: int, seconds: float, processes: int = 1
+) -> Row:
+    """`load`, its callers split over `processes` client processes that start together: on a many-core
+    host one asyncio client process is slower than several server fronts."""
+    processes = min(processes, concurrency)
+    if processes == 1:
+        return asyncio.run(load(address, texts, concurrency, per_request, seconds))
+    start_at = time.time() + 5  # after every process has started and connected
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    jobs = [(address, texts, n, per_request, seconds, i, start_at) for i, n in enumerate(shares)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        parts = list(pool.map(_tally_in_process, jobs))
+    latencies = [x for part in parts for x in part[0]]
+    totals = {key: sum(part[1][key] for part in parts) for key in parts[0][1]}
+    codes = sum((part[2] for part in parts), Counter[str]())
+    return measured_row(concurrency, per_request, latencies, totals, codes, max(p[3] for p in parts))
 
 
 async def load_http(
@@ -276,13 +330,18 @@ def best_of(series: list[list[Row]]) -> list[Row]:
 
 
 def run_server_levels(
-    setup: str, flags: list[str], texts: list[str], plan: list[tuple[int, int]], seconds: float
+    setup: str,
+    flags: list[str],
+    texts: list[str],
+    plan: list[tuple[int, int]],
+    seconds: float,
+    load_processes: int = 1,
 ) -> list[Row]:
     server = start_server(*flags, metrics=False).wait_serving()
     try:
         rows = []
         for concurrency, per_request in plan:
-            row = asyncio.run(load(server.address, texts, concurrency, per_request, seconds))
+            row = load_row(server.address, texts, concurrency, per_request, seconds, load_processes)
             row.setup = setup
             rows.append(row)
             print(f"  {setup} c={concurrency} x{per_request}: {row.tokens_per_s:,.0f} tok/s", file=sys.stderr)
@@ -322,8 +381,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs of every level (and of the ceiling)")
     p.add_argument("--out", type=Path, default=Path("build/bench/server.json"))
     p.add_argument("--http-only", action="store_true", help="only HTTP beside gRPC (no baselines)")
+    p.add_argument(
+        "--low-precision",
+        action="store_true",
+        help="only the int8 graph served beside fp32 served and sentence-transformers fp32 and bf16",
+    )
     args = p.parse_args()
     texts = sentences(args.data_dir)
+    if args.low_precision:
+        rows, markdown = low_precision(args.model_dir, texts, args.seconds, args.repeats)
+        print(markdown)
+        write_report(args.out.with_name("server_low_precision.json"), {"rows": [asdict(r) for r in rows]})
+        return
     big_queue = ["--queue-limit", "16384", "--model-dir", str(args.model_dir)]
     http = best_of([run_http_levels(big_queue, texts, args.seconds, i % 2 == 1) for i in range(args.repeats)])
     print(http_table(http))
@@ -345,6 +414,77 @@ def main() -> None:
     rows = [asdict(r) for r in batched + unbatched_rows]
     report = {"ceilings": [asdict(c) for c in ceilings], "rows": rows, "http": [asdict(r) for r in http]}
     write_report(args.out, report)
+
+
+def sentence_transformers(model_dir: Path, texts: list[str], repeats: int) -> list[Row]:
+    """sentence-transformers in process on every core, batch 32, fp32 and (where torch has a native
+    kernel) bf16: what a user gets without this service. Best of `repeats` passes over `texts`."""
+    import torch
+    from bench_model import bf16_is_native, st_texts
+
+    torch.set_num_threads(usable_cores())
+    tokens = sum(Tokenizer(model_dir / TOKENIZER_FILE, 256).encode(texts).lengths)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if not bf16_is_native()[0]:
+        del dtypes["bf16"]
+    rows = []
+    for name, dtype in dtypes.items():
+        embed = st_texts(Path(read_manifest(model_dir).source), 256, dtype)(32)
+        embed(texts[:64])  # warm
+        runs = [tokens / _timed(embed, texts) for _ in range(repeats)]
+        best = max(runs)
+        rows.append(
+            Row(ST_SETUP.format(name), 0, 32, 0, 0, best * len(texts) / tokens, best, 0, 0, runs=runs)
+        )
+    return rows
+
+
+def _timed(embed: Any, texts: list[str]) -> float:
+    started = time.perf_counter()
+    embed(texts)
+    return time.perf_counter() - started
+
+
+def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: int) -> tuple[list[Row], str]:
+    """The int8 graph served (--precision int8) beside fp32 served, at 64 callers with 1 and 32
+    sentences per request, against sentence-transformers in process and each graph's in-process
+    ceiling, all in this run. Server series alternate, so a slow spell of the machine favours neither."""
+    distinct = list(dict.fromkeys(texts))[:1000]
+    baselines = sentence_transformers(model_dir, distinct, repeats)
+    for graph, name in ((FP32_FILE, "fp32"), (INT8_FILE, "int8")):
+        for row in ceiling(model_dir, texts, repeats, graph=graph):
+            row.setup = f"{row.setup}, {name}"
+            baselines.append(row)
+    plan = [(64, 1), (64, 32)]
+    base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
+    series: dict[str, list[list[Row]]] = {"server, fp32": [], "server, int8": []}
+    for i in range(repeats):
+        for setup in sorted(series, reverse=bool(i % 2)):
+            flags = [*base, "--precision", setup.rsplit(" ", 1)[1]]
+            series[setup].append(run_server_levels(setup, flags, texts, plan, seconds))
+    served = [row for runs in series.values() for row in best_of(runs)]
+    return baselines + served, low_precision_table(baselines, served)
+
+
+def low_precision_table(baselines: list[Row], served: list[Row]) -> str:
+    """Each row's real tokens/s against sentence-transformers' (fp32 and bf16) and fp32 served."""
+    rates = {r.setup: r.tokens_per_s for r in baselines}
+    st = [rates.get(ST_SETUP.format("fp32")), rates.get(ST_SETUP.format("bf16"))]
+    fp32 = {r.inputs_per_request: r.tokens_per_s for r in served if r.setup == "server, fp32"}
+    lines = [
+        "| setup | conc. | inputs/req | sentences/s | real tokens/s | range | x fp32 served | x ST fp32 "
+        "| x ST bf16 | p50 ms | p99 ms | errors |",
+        "|" + "---|" * 12,
+    ]
+    for r in [*baselines, *served]:
+        ratios = [fp32.get(r.inputs_per_request) if r.concurrency else None, *st]
+        cells = " | ".join(f"{r.tokens_per_s / x:.2f}" if x else "-" for x in ratios)
+        lines.append(
+            f"| {r.setup} | {r.concurrency or '-'} | {r.inputs_per_request} | {r.sentences_per_s:,.0f} | "
+            f"{r.tokens_per_s:,.0f} | {min(r.runs or [0]):,.0f}-{max(r.runs or [0]):,.0f} | {cells} | "
+            f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.error_codes or 0} |"
+        )
+    return "\n".join(lines)
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
