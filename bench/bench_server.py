@@ -482,7 +482,11 @@ def low_precision_table(baselines: list[Row], served: list[Row]) -> str:
         lines.append(
             f"| {r.setup} | {r.concurrency or '-'} | {r.inputs_per_request} | {r.sentences_per_s:,.0f} | "
             f"{r.tokens_per_s:,.0f} | {min(r.runs or [0]):,.0f}-{max(r.runs or [0]):,.0f} | {cells} | "
-            f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.error_codes or 0} |"
+            + (
+                f"{r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.error_codes or 0} |"
+                if r.concurrency
+                else "- | - | - |"
+            )
         )
     return "\n".join(lines)
 
