@@ -288,7 +288,7 @@ def flop_per_token(config: EncoderConfig) -> float:
 
 def bf16_is_native(m: int = 256, k: int = 384, n: int = 1536) -> tuple[bool, str]:
     """Whether torch has a bf16 matmul kernel on this CPU, measured at the FFN's shape: without
-    AVX-512 BF16 or AMX its fallback runs ~50x slower than fp32 (1.4 vs 78 GFLOP/s on a Zen 3), and
+    AVX-512 BF16 or AMX its fallback runs ~100x slower than fp32 (1.3 vs 124 GFLOP/s on a Zen 3), and
     the bf16 rows would take hours."""
     a, b = torch.randn(m, k), torch.randn(k, n)
     a16, b16 = a.bfloat16(), b.bfloat16()
