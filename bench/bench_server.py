@@ -16,11 +16,13 @@ and float JSON at 32 inputs) on the same server, from one aiohttp session keepin
 caller alive; --http-only runs just this comparison.
 Low precision (--low-precision, only this): the int8 graph served (--precision int8) beside fp32
 served, at 64 callers x 1 and x 32 sentences, against each graph's in-process ceiling and
-sentence-transformers in process (batch 32, every core; fp32, and bf16 where torch has a native
-bf16 kernel: AVX-512 BF16 or AMX), written to build/bench/server_low_precision.json.
+sentence-transformers in process (the first 1,000 distinct sentences, batch 32, every core; fp32,
+and bf16 where torch has a native bf16 kernel: AVX-512 BF16 or AMX), written to
+build/bench/server_low_precision.json.
 
     python bench/bench_server.py --model-dir build/model --data-dir ../shared/data --low-precision
-The load generator is one asyncio process sharing the machine's cores with the server.
+The load generator is one asyncio process (several with bench_front.py's --load-processes) sharing
+the machine's cores with the server.
 Writes markdown tables to stdout and JSON to build/bench/server.json.
 """
 
