@@ -459,11 +459,11 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
             baselines.append(row)
     plan = [(64, 1), (64, 32)]
     base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
-    series: dict[str, list[list[Row]]] = {"server, fp32": [], "server, int8": []}
+    series: dict[str, list[list[Row]]] = {"fp32": [], "int8": []}
     for i in range(repeats):
-        for setup in sorted(series, reverse=bool(i % 2)):
-            flags = [*base, "--precision", setup.rsplit(" ", 1)[1]]
-            series[setup].append(run_server_levels(setup, flags, texts, plan, seconds))
+        for precision in sorted(series, reverse=bool(i % 2)):
+            flags = [*base, "--precision", precision]
+            series[precision].append(run_server_levels(f"server, {precision}", flags, texts, plan, seconds))
     served = [row for runs in series.values() for row in best_of(runs)]
     return baselines + served, low_precision_table(baselines, served)
 
