@@ -70,8 +70,8 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
     """Run representative shapes, up to the batch budget, on every instance at once, on `pool`: the
     batcher's own model threads.
 
-    First requests then do not pay for ORT's first-run allocations, and its memory arena reaches
-    the high-water mark of concurrent full batches before serving. Without the concurrent part the
+    First requests then do not pay for ORT's first-run allocations, and each instance's memory
+    arena reaches the footprint of its largest batch before serving. Without the concurrent part the
     600 s soak saw resident memory creep up 6.6% as rarer pairs of big batches met; with it, an
     in-process run of random batches stayed within 0.2%. On the model threads themselves, because
     the kernels keep per-thread scratch buffers: warmed on threads of its own, the engine grew

@@ -54,12 +54,11 @@ def batches(count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def test_one_thread_instances_share_one_session_and_larger_ones_get_their_own(repo):
-    shared = OnnxBackend(repo, "cpu", threads=1, instances=2)
-    assert (shared.instances, shared.threads) == (2, 1)
-    assert shared.sessions[0] is shared.sessions[1]
-    separate = OnnxBackend(repo, "cpu", threads=2, instances=2)
-    assert separate.sessions[0] is not separate.sessions[1]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_instance_has_a_session_of_its_own(repo, threads):
+    backend = OnnxBackend(repo, "cpu", threads=threads, instances=2)
+    assert (backend.instances, backend.threads) == (2, threads)
+    assert backend.sessions[0] is not backend.sessions[1]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
