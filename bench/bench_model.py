@@ -129,15 +129,14 @@ def onnx_texts(session: ort.InferenceSession, tokenizer: Tokenizer, batch: int, 
 
 def two_callers(path: Path, tokenizer: Tokenizer, batch: int) -> EmbedTexts:
     """The server's CPU layout: two callers, each running every other length-sorted batch on a
-    one-thread session (one session shared, as the server's one-thread instances share one)."""
-    session = cpu_session(path, 1)
-    embed = onnx_embedder(session, batch)
+    one-thread session of its own, as each of the server's instances has."""
+    embedders = [onnx_embedder(cpu_session(path, 1), batch) for _ in range(2)]
 
     def run(rows: list[list[int]]) -> np.ndarray:
         batches = [rows[i : i + batch] for i in range(0, len(rows), batch)]
         parts: list[list[np.ndarray]] = [[], []]
         callers = [
-            threading.Thread(target=lambda k=k: parts[k].extend(embed(b) for b in batches[k::2]))
+            threading.Thread(target=lambda k=k: parts[k].extend(embedders[k](b) for b in batches[k::2]))
             for k in range(2)
         ]
         for c in callers:

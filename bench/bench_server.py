@@ -6,8 +6,8 @@ and of its HTTP API beside gRPC on the same server.
 
 Baselines, measured in the same run on the same machine:
 - ceiling: in-process ONNX Runtime on length-sorted batches of 32 (its best batch here), no gRPC,
-  in each of two layouts: one session on all cores, and one one-thread caller per core (the
-  server's default layout); the faster of the two is the ceiling;
+  in each of two layouts: one session on all cores, and one one-thread caller per core, each with
+  a session of its own (the server's default layout); the faster of the two is the ceiling;
 - unbatched: the same server started with --max-batch-size 1.
 Each figure is the best of --repeats runs (the ceiling's too); the table shows the range.
 HTTP beside gRPC: at concurrency 1 and 64 with 1 and 32 inputs per request, each level run over
@@ -108,12 +108,13 @@ def ceiling(
     tokens = sum(len(r) for r in rows)
     cores = usable_cores()
 
-    def run_all(session: ort.InferenceSession, callers: int) -> float:
-        def work(part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def run_all(sessions: list[ort.InferenceSession]) -> float:
+        def work(session: ort.InferenceSession, part: list[tuple[np.ndarray, np.ndarray]]) -> None:
             for ids, lengths in part:
                 run_graph(session, ids, lengths)
 
-        threads = [threading.Thread(target=work, args=(batches[i::callers],)) for i in range(callers)]
+        n = len(sessions)
+        threads = [threading.Thread(target=work, args=(s, batches[i::n])) for i, s in enumerate(sessions)]
         started = time.perf_counter()
         for t in threads:
             t.start()
@@ -126,9 +127,9 @@ def ceiling(
         (f"in-process ORT, 1 session x {cores} threads", cores, 1),
         (f"in-process ORT, {cores} callers x 1 thread", 1, cores),
     ):
-        session = cpu_session(model_dir / graph, threads)
-        run_all(session, callers)  # warm
-        runs = [tokens / run_all(session, callers) for _ in range(repeats)]
+        sessions = [cpu_session(model_dir / graph, threads) for _ in range(callers)]  # one each, as served
+        run_all(sessions)  # warm
+        runs = [tokens / run_all(sessions) for _ in range(repeats)]
         best = max(runs)
         result.append(Row(setup, 0, batch, len(batches), 0, best * len(rows) / tokens, best, 0, 0, runs=runs))
     return result
