@@ -83,11 +83,11 @@ class OnnxBackend:
     """`run(ids, lengths) -> (normalised, pooled)`, safe to call from `instances` threads at once.
 
     Each call takes a free instance, and each instance is a session of its own, with its own memory
-    arena and thread pool. Two one-thread instances sharing one session (the model's weights once,
-    ~90 MB less for fp32) interleaved their runs in one arena and fragmented it: at random moments,
-    sometimes minutes into serving, resident memory stepped up by up to 30 MB (docs/reliability.md).
-    A session's arena is empty when each of its runs starts, so its footprint is that of its largest
-    batch, which the warm-up runs.
+    arena and thread pool. Two one-thread instances sharing one session (the weights once, ~95 MB
+    less for fp32) interleaved their runs in one arena and fragmented it: at random moments of serving,
+    resident memory stepped up by 26-32 MB (docs/reliability.md). A session
+    runs one batch at a time and its intermediate tensors are freed when the run ends, so its
+    footprint follows its largest batch, which the warm-up runs.
     """
 
     def __init__(
@@ -103,17 +103,14 @@ class OnnxBackend:
         graph = repo.graph_for(providers[0], precision)
         self.instances, self.threads = plan_instances(providers[0], instances, threads, usable_cores())
 
-        def session() -> ort.InferenceSession:
-            return new_session(
-                repo.path(graph), providers, self.threads, graph.disabled_optimizers, serving=True
-            )
-
-        self.sessions = tuple(session() for _ in range(self.instances))
-        first = self.sessions[0]
+        self.sessions = tuple(
+            new_session(repo.path(graph), providers, self.threads, graph.disabled_optimizers, serving=True)
+            for _ in range(self.instances)
+        )
         self._free: queue.SimpleQueue[ort.InferenceSession] = queue.SimpleQueue()
         for session in self.sessions:
             self._free.put(session)
-        self.provider = first.get_providers()[0]
+        self.provider = self.sessions[0].get_providers()[0]
         if device == "cuda" and self.provider != CUDA_PROVIDER:
             raise ModelRepositoryError("--device cuda: the CUDA execution provider could not be loaded")
         if providers[0] == CUDA_PROVIDER and self.provider != CUDA_PROVIDER:
