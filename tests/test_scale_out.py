@@ -31,9 +31,11 @@ QUICK_START = ("--max-batch-tokens", "256")
 LOAD_THREADS = 4
 BALANCE_CALLS = 150
 MIN_SHARE = 0.2
-# Calls the drained replica has accepted when SIGTERM comes: 12 inputs of 256 tokens take seconds on
-# one thread, so they are still running then.
-LONG_INPUTS = ["word " * 300] * 12
+# Calls the drained replica has accepted when SIGTERM comes, long enough to be still running then.
+# On two one-thread instances of a Zen 5 (calls run in turn, each on both instances), the first of two
+# calls of 12 inputs of 256 tokens ended after 0.22 s, and in CI one ended before SIGTERM once; of 128
+# inputs, after 2.3 s and 4.4 s. The drain timeout above leaves room for six times that.
+LONG_INPUTS = ["word " * 300] * 128
 ACCEPTED_CALLS = 2
 # Each load thread pauses between calls, so the load stays bounded and leaves the CPU to the servers.
 LOAD_PAUSE_S = 0.02
