@@ -11,7 +11,9 @@
    of --fronts front processes (1 and 2 by default; 1,2,4,8 on a 16-core GPU host, with
    --load-processes 4 so that the client keeps up): requests/s, sentences/s, and the server's CPU
    time per request and per sentence, summed from /proc over every server process (not wall time);
-   over gRPC, then over HTTP (POST /v1/embeddings, base64) on the same server.
+   over gRPC, then over HTTP (POST /v1/embeddings, base64) on the same server. Then the engine
+   alone, fed by clients that speak the front/engine protocol to it directly: what one engine takes
+   from any number of fronts, and its CPU per request.
 3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
    1 and 32 sentences per request, and the unbatched server), with each of --fronts; then a lone
    request's latency, the server against the unbatched server, taking turns.
@@ -185,6 +187,105 @@ def zmq_round_trip(rounds: int = 20000, dims: int = 384) -> dict[str, float]:
     return {"round_trip_us": wall / rounds * 1e6, "cpu_us_both_sides": cpu / rounds * 1e6}
 
 
+def _engine_address(engine_pid: int) -> str:
+    """The ipc address the engine listens on: its listening Unix socket's path (/proc/net/unix),
+    matched to the engine by the socket inodes among its open files."""
+    inodes = set()
+    for fd in Path(f"/proc/{engine_pid}/fd").iterdir():
+        target = os.readlink(fd)
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[6] in inodes and fields[7].endswith("engine.sock"):
+            return f"ipc://{fields[7]}"
+    raise RuntimeError(f"no engine.sock among the sockets of process {engine_pid}")
+
+
+def _engine_client(
+    address: str, requests: list[tuple[Any, Any]], window: int, seconds: float, out: Any
+) -> None:
+    """Keeps `window` SUBMITs in flight to the engine, a new one for each RESULT, for `seconds`."""
+    from minilm_embed.server import protocol
+
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(address)
+    sent = answered = 0
+
+    def send() -> None:
+        nonlocal sent
+        lengths, ids = requests[sent % len(requests)]
+        sock.send_multipart(protocol.submit(sent, None, True, lengths, ids))
+        sent += 1
+
+    for _ in range(window):
+        send()
+    stop_at = time.monotonic() + seconds
+    while time.monotonic() < stop_at:
+        frames = sock.recv_multipart()
+        assert protocol.parse_result(frames, 384).status == protocol.OK
+        answered += 1
+        send()
+    out.put(answered)
+
+
+def engine_alone(model_dir: Path, texts: list[str], seconds: float, load_processes: int) -> list[Capacity]:
+    """The engine's own capacity: clients speak the front/engine protocol to it directly (SUBMITs of
+    the same sentences' token ids, 64 in flight), no front. What one engine can take from any number
+    of fronts; its CPU per request from /proc."""
+    tokenizer = Tokenizer(model_dir / TOKENIZER_FILE, 256)
+    server = start_server(
+        "--model-dir", str(model_dir), "--queue-limit", "16384", "--front-processes", "1",
+        metrics=False, entry=STAND_IN,
+    ).wait_serving()  # fmt: skip
+    context = multiprocessing.get_context("spawn")
+    result = []
+    try:
+        assert server.engine_pid is not None
+        address = _engine_address(server.engine_pid)
+        for concurrency, per_request in LEVELS:
+            requests = []
+            for i in range(0, min(len(texts), 4096) - per_request + 1, per_request):
+                rows = tokenizer.encode(texts[i : i + per_request]).ids
+                lengths = np.array([len(r) for r in rows], dtype=np.int32)
+                requests.append((lengths, np.concatenate([np.asarray(r, np.int32) for r in rows])))
+            out = context.Queue()
+            clients = [
+                context.Process(
+                    target=_engine_client,
+                    args=(address, requests, concurrency // load_processes, seconds, out),
+                    daemon=True,
+                )
+                for _ in range(load_processes)
+            ]
+            for client in clients:
+                client.start()
+            time.sleep(1.0)  # started and connected: measure a window inside the clients' run
+            before, started = tree_cpu_seconds(server.engine_pid), time.perf_counter()
+            time.sleep(seconds / 2)
+            cpu, wall = tree_cpu_seconds(server.engine_pid) - before, time.perf_counter() - started
+            answered = sum(out.get() for _ in clients)
+            for client in clients:
+                client.join()
+            # The clients' total over their whole run gives the rate; CPU per request is the engine's
+            # CPU in the middle window against that rate over the same window.
+            rate = answered / seconds
+            per_request_cpu = cpu / (rate * wall)
+            result.append(
+                Capacity(
+                    "engine alone: ZeroMQ clients, no front", 0, per_request, rate, rate * per_request,
+                    per_request_cpu * 1e6, per_request_cpu / per_request * 1e6, 0,
+                )
+            )  # fmt: skip
+            print(
+                f"  engine alone x{per_request}: {result[-1].cpu_us_per_request:.0f} us/request",
+                file=sys.stderr,
+            )
+    finally:
+        server.stop()
+    return result
+
+
 def tokenizer_cost(model_dir: Path, texts: list[str], rounds: int = 5) -> dict[str, float]:
     """CPU us per sentence, batches of 32 (one thread): the library's tokenizer with its own
     normaliser, and the service's Tokenizer; rounds interleaved, the median of each."""
@@ -298,6 +399,7 @@ def main() -> None:
     rows = grpc_floor(texts, args.seconds)
     for fronts in args.fronts:
         rows += stand_in(args.model_dir, fronts, texts, args.seconds, args.load_processes)
+    rows += engine_alone(args.model_dir, texts, args.seconds, args.load_processes)
     print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}")
     print(f"tokenizer CPU per sentence, batches of 32, one thread: {tokenizing}\n")
     print(capacity_table(rows))
