@@ -20,12 +20,19 @@ import onnxruntime
 import tokenizers
 import torch
 
-from minilm_embed.export.onnx import IR_VERSION, OPSET, export_onnx, save
+from minilm_embed.export.onnx import IR_VERSION, OPSET, export_onnx, save, share_tensor
 from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
 from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
-from minilm_embed.model.repository import FP32_FILE, INT8_FILE, MANIFEST_FILE, TOKENIZER_FILE, Manifest
+from minilm_embed.model.repository import (
+    FP32_FILE,
+    INT8_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    Manifest,
+    SharedTensor,
+)
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.model.weights import (
     DEFAULT_SHA256,
@@ -78,7 +85,7 @@ def versions() -> dict[str, str]:
 
 
 def manifest(
-    ckpt: Checkpoint, staging: Path, parity: dict[str, Any], int8: dict[str, Any] | None
+    ckpt: Checkpoint, staging: Path, shared: SharedTensor, parity: dict[str, Any], int8: dict[str, Any] | None
 ) -> Manifest:
     return Manifest(
         model_id=ckpt.model_id,
@@ -89,6 +96,7 @@ def manifest(
         opset=OPSET,
         ir_version=IR_VERSION,
         graphs=graph_plan(staging, int8 is not None),
+        shared_tensors=(shared,),
         versions=versions(),
         parity=parity,
         parity_int8=int8 or {"skipped": "int8 is calibrated on STS-B train: give --data-dir"},
@@ -102,6 +110,7 @@ def build(
     tokenizer = Tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
+    shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
     shutil.copyfile(weights / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
@@ -109,7 +118,7 @@ def build(
     report.raise_on_failure()
     int8_report = build_int8(staging, tokenizer, data_dir) if int8 and data_dir is not None else None
     figures = int8_report.to_dict() if int8_report else None
-    text = manifest(ckpt, staging, report.to_dict(), figures).to_json()
+    text = manifest(ckpt, staging, shared, report.to_dict(), figures).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
 
@@ -118,6 +127,7 @@ def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path) -> ParityRep
     pairs = read_sts(sts_path(data_dir, "train"))
     sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
     quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)
+    share_tensor(staging / INT8_FILE)  # the same table: the same file
     report = run_int8_gate(
         cpu_session(staging / FP32_FILE), cpu_session(staging / INT8_FILE), tokenizer, data_dir
     )

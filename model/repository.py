@@ -1,9 +1,12 @@
 """The model repository's format: the one contract between `python -m minilm_embed.export` and the server.
 
-A repository is a directory holding the ONNX graphs, tokenizer.json and manifest.json. The manifest
-is the typed, versioned `Manifest` below: export builds one and writes `to_dict()`, the server reads it
-with `open_repository`, which checks `manifest_version` first and every graph's sha256 after. The
-names the graphs are called by (inputs, outputs, execution providers) are defined here too.
+A repository is a directory holding the ONNX graphs, tokenizer.json, manifest.json, and the tensors
+its graphs share, each in a raw file of its own that the graphs reference as ONNX external data (the
+word-embedding table: every graph and every model instance of the server uses the one copy). The
+manifest is the typed, versioned `Manifest` below: export builds one and writes `to_dict()`, the
+server reads it with `open_repository`, which checks `manifest_version` first and the sha256 of every
+graph and shared tensor after. The names the graphs are called by (inputs, outputs, execution
+providers) are defined here too.
 
 Torch-free on purpose: the serving image has no torch (tests/test_serving_without_torch.py).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +25,14 @@ from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.config import EncoderConfig
 
 # Bump when a reader of the previous version would misread the new one; readers refuse any other.
-MANIFEST_VERSION = 1
+# 2: the word-embedding table left the graphs for a shared file (`shared_tensors`), which a version 1
+# reader would neither check nor share.
+MANIFEST_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FP32_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
+WORD_EMBEDDINGS_FILE = "word_embeddings.f32"
 
 # The graph's inputs and outputs: ids (B, T) and lengths (B,) in; normalised and raw pooled (B, D) out.
 INPUT_IDS = "input_ids"
@@ -76,6 +83,35 @@ class Graph:
 
 
 @dataclass(frozen=True)
+class SharedTensor:
+    """A graph initializer kept outside the graphs: `file` holds its values, raw little-endian float32
+    in C order, which every graph that uses it references as ONNX external data (offset 0)."""
+
+    name: str  # the initializer's name in the graphs
+    file: str
+    shape: tuple[int, ...]
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(dataclasses.asdict(self), shape=list(self.shape), dtype="float32")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SharedTensor:
+        if d.get("dtype") != "float32":
+            dtype = d.get("dtype")
+            raise ModelRepositoryError(f"shared tensor dtype {dtype!r}: this code reads float32 only")
+        shape = _get(d, "shape", list)
+        if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+            raise ModelRepositoryError(f"shared tensor shape {shape!r}: expected positive ints")
+        name, file, sha256 = (_get(d, key, str) for key in ("name", "file", "sha256"))
+        return cls(name=name, file=file, shape=tuple(shape), sha256=sha256)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """manifest.json: where the weights came from, the encoder's config, the graphs, the gate's figures."""
 
@@ -87,6 +123,7 @@ class Manifest:
     opset: int
     ir_version: int
     graphs: tuple[Graph, ...]
+    shared_tensors: tuple[SharedTensor, ...]
     versions: Mapping[str, str]  # of the packages that built it
     parity: Mapping[str, Any]  # the gate's report (export/parity.py)
     parity_int8: Mapping[str, Any]
@@ -110,6 +147,7 @@ class Manifest:
             "inputs": INPUTS,
             "outputs": OUTPUTS,
             "graphs": [g.to_dict() for g in self.graphs],
+            "shared_tensors": [t.to_dict() for t in self.shared_tensors],
             "versions": dict(self.versions),
             "parity": dict(self.parity),
             "parity_int8": dict(self.parity_int8),
@@ -140,6 +178,7 @@ class Manifest:
             opset=_get(d, "opset", int),
             ir_version=_get(d, "ir_version", int),
             graphs=tuple(Graph.from_dict(g) for g in _get(d, "graphs", list)),
+            shared_tensors=tuple(SharedTensor.from_dict(t) for t in _get(d, "shared_tensors", list)),
             versions=_get(d, "versions", dict),
             parity=_get(d, "parity", dict),
             parity_int8=_get(d, "parity_int8", dict),
@@ -185,8 +224,8 @@ class ModelRepository:
     def tokenizer_file(self) -> Path:
         return self.directory / TOKENIZER_FILE
 
-    def path(self, graph: Graph) -> Path:
-        return self.directory / graph.file
+    def path(self, item: Graph | SharedTensor) -> Path:
+        return self.directory / item.file
 
     def graph_for(self, provider: str, precision: str) -> Graph:
         """The graph shipped for this provider: the asked precision, else the first listed for it."""
@@ -223,13 +262,17 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def open_repository(directory: Path) -> ModelRepository:
-    """Read manifest.json and verify every graph's checksum against it."""
+    """Read manifest.json and verify the checksum of every graph and shared tensor against it."""
     repo = ModelRepository(directory, read_manifest(directory))
-    for graph in repo.manifest.graphs:
-        file = repo.path(graph)
+    items: list[Graph | SharedTensor] = [*repo.manifest.graphs, *repo.manifest.shared_tensors]
+    for item in items:
+        file = repo.path(item)
         if not file.is_file():
             raise ModelRepositoryError(f"{file}: missing")
+        if isinstance(item, SharedTensor) and file.stat().st_size != item.nbytes:
+            size, shape = file.stat().st_size, list(item.shape)
+            raise ModelRepositoryError(f"{file}: {size} bytes, but float32 of shape {shape} is {item.nbytes}")
         actual = sha256_file(file)
-        if actual != graph.sha256:
-            raise ModelRepositoryError(f"{file}: sha256 {actual} does not match manifest {graph.sha256}")
+        if actual != item.sha256:
+            raise ModelRepositoryError(f"{file}: sha256 {actual} does not match manifest {item.sha256}")
     return repo

@@ -28,7 +28,7 @@ from minilm_embed.model.repository import (
     open_repository,
     read_manifest,
 )
-from minilm_embed.model.runtime import new_session, run_graph
+from minilm_embed.model.runtime import new_session, run_graph, shared_initializers
 from minilm_embed.server.config import Device
 
 # The repository's reader is re-exported: the server opens the model through this module.
@@ -83,11 +83,12 @@ class OnnxBackend:
     """`run(ids, lengths) -> (normalised, pooled)`, safe to call from `instances` threads at once.
 
     Each call takes a free instance, and each instance is a session of its own, with its own memory
-    arena and thread pool. Two one-thread instances sharing one session (the weights once, ~95 MB
-    less for fp32) interleaved their runs in one arena and fragmented it: at random moments of serving,
-    resident memory stepped up by 26-32 MB (docs/reliability.md). A session
-    runs one batch at a time and its intermediate tensors are freed when the run ends, so its
-    footprint follows its largest batch, which the warm-up runs.
+    arena and thread pool. Two one-thread instances sharing one session interleaved their runs in one
+    arena and fragmented it: at random moments of serving, resident memory stepped up by 26-32 MB
+    (docs/reliability.md). A session runs one batch at a time and its intermediate tensors are freed
+    when the run ends, so its footprint follows its largest batch, which the warm-up runs. On the CPU
+    the instances share one mapping of the word-embedding table (model/runtime.py), 47 of the fp32
+    graph's 87 MB of weights; each holds its own copy of the rest.
     """
 
     def __init__(
@@ -103,8 +104,13 @@ class OnnxBackend:
         graph = repo.graph_for(providers[0], precision)
         self.instances, self.threads = plan_instances(providers[0], instances, threads, usable_cores())
 
+        # On the CPU every instance uses one mapping of the shared tensors; the CUDA provider copies
+        # initializers to the device per session anyway, and reads them from the files itself.
+        self.shared = shared_initializers(repo) if providers[0] == CPU_PROVIDER else {}
         self.sessions = tuple(
-            new_session(repo.path(graph), providers, self.threads, graph.disabled_optimizers, serving=True)
+            new_session(
+                repo.path(graph), providers, self.threads, graph.disabled_optimizers, True, self.shared
+            )
             for _ in range(self.instances)
         )
         self._free: queue.SimpleQueue[ort.InferenceSession] = queue.SimpleQueue()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from minilm_embed.export.optimize import cpu_session
 from minilm_embed.model.repository import CPU_PROVIDER as CPU
 from minilm_embed.model.repository import CUDA_PROVIDER as CUDA
+from minilm_embed.model.runtime import run_graph
 from minilm_embed.server.backend import OnnxBackend, open_repository, plan_instances
 
 
@@ -59,6 +63,32 @@ def test_each_instance_has_a_session_of_its_own(repo, threads):
     backend = OnnxBackend(repo, "cpu", threads=threads, instances=2)
     assert (backend.instances, backend.threads) == (2, threads)
     assert backend.sessions[0] is not backend.sessions[1]
+
+
+def mappings_of(path: Path) -> int:
+    return sum(
+        line.rstrip("\n").endswith(str(path)) for line in Path("/proc/self/maps").read_text().splitlines()
+    )
+
+
+def test_every_instance_uses_one_mapping_of_the_shared_word_embedding_table(repo):
+    """Left to itself, ONNX Runtime maps a graph's external data once per session; given the values,
+    it maps nothing: the one mapping is the backend's, whatever the instance count."""
+    [shared] = repo.manifest.shared_tensors
+    path = repo.path(shared).resolve()
+    before = mappings_of(path)  # other tests' sessions (e.g. the reference's) may hold some
+    plain = [cpu_session(repo.path(repo.graph_for(CPU, "fp32")), threads=1) for _ in range(2)]
+    assert mappings_of(path) == before + 2  # what a session per instance costs without sharing
+    del plain
+    gc.collect()
+    assert mappings_of(path) == before
+    backend = OnnxBackend(repo, "cpu", threads=1, instances=3)
+    assert mappings_of(path) == before + 1
+    assert list(backend.shared) == [shared.name]
+    ids, lengths = batches(1)[0]
+    want = run_graph(cpu_session(repo.path(repo.graph_for(CPU, "fp32")), threads=1), ids, lengths)
+    for _ in range(backend.instances):  # each run takes the next free instance
+        np.testing.assert_array_equal(backend.run(ids, lengths)[0], want[0])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from minilm_embed.export.onnx import OPSET
+from minilm_embed.export.onnx import OPSET, WORD_EMBEDDINGS
 from minilm_embed.export.optimize import (
     CPU_DISABLED_OPTIMIZERS,
     MS_DOMAIN,
@@ -36,12 +36,12 @@ from minilm_embed.export.parity import (
     compare,
     run_parity,
 )
-from minilm_embed.model.repository import CPU_PROVIDER, INT8_FILE
+from minilm_embed.model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, WORD_EMBEDDINGS_FILE
 from minilm_embed.model.tokenizer import pad_batch
 from minilm_embed.model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
-REPOSITORY_FILES = {"model.onnx", "tokenizer.json", "manifest.json"}
+REPOSITORY_FILES = {"model.onnx", "word_embeddings.f32", "tokenizer.json", "manifest.json"}
 CHECK_NAMES = [
     "1 pytorch vs sentence-transformers",
     "2 onnx vs pytorch",
@@ -216,9 +216,29 @@ def test_built_repository_parity_figures(built_manifest):
 
 def test_built_repository_files_match_their_checksums(model_dir, built_manifest):
     assert built_manifest["onnx_sha256"] == sha256_file(model_dir / "model.onnx")
-    for graph in built_manifest["graphs"]:
-        if "sha256" in graph:
-            assert graph["sha256"] == sha256_file(model_dir / graph["file"]), graph["file"]
+    for item in built_manifest["graphs"] + built_manifest["shared_tensors"]:
+        assert item["sha256"] == sha256_file(model_dir / item["file"]), item["file"]
+
+
+def test_every_graph_references_the_one_shared_word_embedding_table(
+    model_dir, built_manifest, encoder_and_checkpoint
+):
+    """The table is in its own file, once, and every graph (int8 too, when built) reads it from there."""
+    [shared] = built_manifest["shared_tensors"]
+    assert (shared["name"], shared["file"]) == (WORD_EMBEDDINGS, WORD_EMBEDDINGS_FILE)
+    assert shared["shape"] == [30522, 384] and shared["dtype"] == "float32"
+    encoder, _ = encoder_and_checkpoint
+    table = np.fromfile(model_dir / WORD_EMBEDDINGS_FILE, dtype="<f4").reshape(shared["shape"])
+    np.testing.assert_array_equal(table, encoder.embeddings.word.weight.detach().numpy())
+    graphs = [g["file"] for g in built_manifest["graphs"]]
+    assert FP32_FILE in graphs
+    for file in graphs:
+        model = onnx.load(str(model_dir / file), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert [t.name for t in external] == [WORD_EMBEDDINGS], file
+        entries = {e.key: e.value for e in external[0].external_data}
+        assert entries["location"] == WORD_EMBEDDINGS_FILE and int(entries["length"]) == table.nbytes, file
+        assert not external[0].raw_data, file
 
 
 def test_built_repository_sts_b_spearman(built_manifest):
@@ -285,7 +305,11 @@ def test_built_int8_graph_sums_exactly_on_this_cpu_even_at_extreme_activations(m
     if INT8_FILE not in {g["file"] for g in built_manifest["graphs"]}:
         pytest.skip("the model repository was built without an int8 graph (no data directory)")
     graph = onnx.load(str(model_dir / INT8_FILE), load_external_data=False).graph
-    weights = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    weights = {
+        t.name: onnx.numpy_helper.to_array(t)
+        for t in graph.initializer
+        if t.data_location != onnx.TensorProto.EXTERNAL  # the shared word-embedding table
+    }
     matmuls = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat"]
     assert len(matmuls) == 24
     rng = np.random.default_rng(0)

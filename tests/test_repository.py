@@ -97,6 +97,22 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
         "does not match manifest " + "0" * 64,
     ),
     "a missing graph": (lambda d: d["graphs"][0].update(file="gone.onnx"), "gone.onnx: missing"),
+    "a changed shared tensor": (
+        lambda d: d["shared_tensors"][0].update(sha256="0" * 64),
+        "word_embeddings.f32: sha256 ",
+    ),
+    "a shared tensor of another shape": (
+        lambda d: d["shared_tensors"][0].update(shape=[30522, 383]),
+        "bytes, but float32 of shape [30522, 383] is 46759704",
+    ),
+    "a shared tensor of another dtype": (
+        lambda d: d["shared_tensors"][0].update(dtype="float16"),
+        "shared tensor dtype 'float16': this code reads float32 only",
+    ),
+    "a missing shared tensor": (
+        lambda d: d["shared_tensors"][0].update(file="gone.f32"),
+        "gone.f32: missing",
+    ),
 }
 
 
