@@ -101,8 +101,8 @@ class SharedTensor:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SharedTensor:
-        if d.get("dtype") != "float32":
-            dtype = d.get("dtype")
+        dtype = d.get("dtype")
+        if dtype != "float32":
             raise ModelRepositoryError(f"shared tensor dtype {dtype!r}: this code reads float32 only")
         shape = _get(d, "shape", list)
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):

@@ -109,7 +109,12 @@ class OnnxBackend:
         self.shared = shared_initializers(repo) if providers[0] == CPU_PROVIDER else {}
         self.sessions = tuple(
             new_session(
-                repo.path(graph), providers, self.threads, graph.disabled_optimizers, True, self.shared
+                repo.path(graph),
+                providers,
+                self.threads,
+                graph.disabled_optimizers,
+                serving=True,
+                initializers=self.shared,
             )
             for _ in range(self.instances)
         )
