@@ -46,6 +46,8 @@ from bench_server import Row, ceiling, load, load_http, load_row, sentences, tab
 from minilm_embed.model.repository import TOKENIZER_FILE
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.server import protocol
+from minilm_embed.server.batcher import Rows
 from tests.server_process import start_server
 
 STAND_IN = ("tests.stand_in_server", "instant")
@@ -206,8 +208,6 @@ def _engine_client(
     address: str, requests: list[tuple[Any, Any]], window: int, seconds: float, out: Any
 ) -> None:
     """Keeps `window` SUBMITs in flight to the engine, a new one for each RESULT, for `seconds`."""
-    from minilm_embed.server import protocol
-
     sock = zmq.Context().socket(zmq.DEALER)
     sock.connect(address)
     sent = answered = 0
@@ -246,9 +246,8 @@ def engine_alone(model_dir: Path, texts: list[str], seconds: float, load_process
         for concurrency, per_request in LEVELS:
             requests = []
             for i in range(0, min(len(texts), 4096) - per_request + 1, per_request):
-                rows = tokenizer.encode(texts[i : i + per_request]).ids
-                lengths = np.array([len(r) for r in rows], dtype=np.int32)
-                requests.append((lengths, np.concatenate([np.asarray(r, np.int32) for r in rows])))
+                rows = Rows.of(tokenizer.encode(texts[i : i + per_request]).ids)
+                requests.append((rows.lengths, rows.ids))
             out = context.Queue()
             clients = [
                 context.Process(

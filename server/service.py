@@ -299,13 +299,13 @@ def _response(embedded: Embedded, fmt: int) -> pb.EmbedResponse:
     usage = zip(
         prepared.lengths.tolist(), prepared.truncated.tolist(), prepared.original.tolist(), strict=True
     )
-    values = b"" if as_bytes else _packed_values_header(vectors.shape[1])
+    header = b"" if as_bytes else _packed_values_header(vectors.shape[1])
     for vector, (tokens, cut, original) in zip(vectors, usage, strict=True):
         u = pb.InputUsage(tokens=tokens, truncated=cut, original_tokens=original)
         if as_bytes:
             response.embeddings.add(float32_le=vector.tobytes(), usage=u)
         else:  # parsed from its wire form, packed little-endian floats: no Python float per value
-            response.embeddings.add(usage=u).MergeFromString(values + vector.tobytes())
+            response.embeddings.add(usage=u).MergeFromString(header + vector.tobytes())
     response.timing.queue_us = answer.queue_us
     response.timing.inference_us = answer.inference_us
     response.timing.total_us = int((time.perf_counter() - embedded.started) * 1e6)
