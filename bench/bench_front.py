@@ -13,7 +13,8 @@
    time per request and per sentence, summed from /proc over every server process (not wall time);
    over gRPC, then over HTTP (POST /v1/embeddings, base64) on the same server. Then the engine
    alone, fed by clients that speak the front/engine protocol to it directly: what one engine takes
-   from any number of fronts, and its CPU per request.
+   from any number of fronts, and its CPU per request, at the server's batch limits and at larger
+   ones (--engine-batches, ROWSxTOKENS: 32x1024,256x8192 by default).
 3. The real model: bench_server.py's table (in-process ceiling, the server at concurrency 1 and 64,
    1 and 32 sentences per request, and the unbatched server), with each of --fronts; then a lone
    request's latency, the server against the unbatched server, taking turns.
@@ -48,6 +49,7 @@ from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.server import protocol
 from minilm_embed.server.batcher import Rows
+from minilm_embed.server.config import ServerConfig
 from tests.server_process import start_server
 
 STAND_IN = ("tests.stand_in_server", "instant")
@@ -229,13 +231,18 @@ def _engine_client(
     out.put(answered)
 
 
-def engine_alone(model_dir: Path, texts: list[str], seconds: float, load_processes: int) -> list[Capacity]:
+def engine_alone(
+    model_dir: Path, texts: list[str], seconds: float, load_processes: int, batch: tuple[int, int]
+) -> list[Capacity]:
     """The engine's own capacity: clients speak the front/engine protocol to it directly (SUBMITs of
     the same sentences' token ids, 64 in flight), no front. What one engine can take from any number
-    of fronts; its CPU per request from /proc."""
+    of fronts; its CPU per request from /proc. `batch`: the engine's (max_batch_size,
+    max_batch_tokens); the engine's CPU per input falls as batches grow (per-batch work amortised)."""
     tokenizer = Tokenizer(model_dir / TOKENIZER_FILE, 256)
+    size, budget = batch
     server = start_server(
         "--model-dir", str(model_dir), "--queue-limit", "16384", "--front-processes", "1",
+        "--max-batch-size", str(size), "--max-batch-tokens", str(budget),
         metrics=False, entry=STAND_IN,
     ).wait_serving()  # fmt: skip
     context = multiprocessing.get_context("spawn")
@@ -272,12 +279,14 @@ def engine_alone(model_dir: Path, texts: list[str], seconds: float, load_process
             per_request_cpu = cpu / (rate * wall)
             result.append(
                 Capacity(
-                    "engine alone: ZeroMQ clients, no front", 0, per_request, rate, rate * per_request,
+                    f"engine alone, batches of {size} rows / {budget} tokens: ZeroMQ clients, no front",
+                    0, per_request, rate, rate * per_request,
                     per_request_cpu * 1e6, per_request_cpu / per_request * 1e6, 0,
                 )
             )  # fmt: skip
             print(
-                f"  engine alone x{per_request}: {result[-1].cpu_us_per_request:.0f} us/request",
+                f"  engine alone ({size}/{budget}) x{per_request}: "
+                f"{result[-1].cpu_us_per_request:.0f} us/request",
                 file=sys.stderr,
             )
     finally:
@@ -390,6 +399,14 @@ def main() -> None:
         help="client processes generating the gRPC load at 64 callers (1 here; e.g. 4 on 16 cores, where "
         "one asyncio client is slower than several fronts)",
     )
+    defaults = ServerConfig()
+    p.add_argument(
+        "--engine-batches",
+        type=lambda v: [tuple(int(n) for n in b.split("x")) for b in v.split(",")],
+        default=[(defaults.max_batch_size, defaults.max_batch_tokens), (256, 8192)],
+        help="the engine alone at each of these batch limits, ROWSxTOKENS, comma-separated (default: the "
+        "server's, 32x1024, and 256x8192, a GPU-sized batch)",
+    )
     p.add_argument("--out", type=Path, default=Path("build/bench/front.json"))
     args = p.parse_args()
     texts = sentences(args.data_dir)
@@ -398,7 +415,8 @@ def main() -> None:
     rows = grpc_floor(texts, args.seconds)
     for fronts in args.fronts:
         rows += stand_in(args.model_dir, fronts, texts, args.seconds, args.load_processes)
-    rows += engine_alone(args.model_dir, texts, args.seconds, args.load_processes)
+    for batch in args.engine_batches:
+        rows += engine_alone(args.model_dir, texts, args.seconds, args.load_processes, batch)
     print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}")
     print(f"tokenizer CPU per sentence, batches of 32, one thread: {tokenizing}\n")
     print(capacity_table(rows))
