@@ -3,7 +3,8 @@
     python bench/bench_front.py --model-dir build/model [--data-dir ../shared/data] [--seconds 6]
 
 1. Baselines measured here, in this run: the floor of a Python gRPC server (an asyncio handler that
-   does nothing, same client, same load), one front/engine round trip over ZeroMQ, and the CPU the
+   does nothing, same client, same load), one front/engine round trip over ZeroMQ (and over a plain
+   Unix socket, the alternative), and the CPU the
    tokenizer costs per sentence (the library with its own normaliser vs the service's Tokenizer,
    which normalises ASCII texts itself; interleaved, one thread, batches of 32).
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
@@ -28,6 +29,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -159,36 +161,79 @@ def grpc_floor(texts: list[str], seconds: float) -> list[Capacity]:
         process.kill()
 
 
-def _router(address: str, dims: int) -> None:
+def _router(address: str, rows: int, dims: int) -> None:
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind(address)
-    vectors = np.zeros((32, dims), np.float32)
+    vectors = np.zeros((rows, dims), np.float32)
     while True:
         identity, *_ = sock.recv_multipart()
         sock.send_multipart([identity, b"h" * 29, vectors], copy=False)
 
 
-def zmq_round_trip(rounds: int = 20000, dims: int = 384) -> dict[str, float]:
-    """One SUBMIT of 32 rows (ids) and its RESULT of 32 x 384 floats over ipc, engine side echoing."""
-    address = f"ipc:///tmp/bench-front-{os.getpid()}.sock"
+def _unix_echo(path: str, rows: int, dims: int) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    connection, _ = listener.accept()
+    reply = b"h" * 29 + np.zeros((rows, dims), np.float32).tobytes()
+    buffer = bytearray(1 << 20)
+    while connection.recv_into(buffer):
+        connection.send(reply)
+
+
+def round_trip(transport: str, rows: int, rounds: int = 20000, dims: int = 384) -> dict[str, float]:
+    """One SUBMIT of `rows` rows of 16 ids and its RESULT of rows x 384 floats, the engine side an echo
+    in another process: over ZeroMQ (DEALER/ROUTER, ipc; what the server uses) or, for comparison, a
+    plain Unix SOCK_SEQPACKET socket (no I/O thread). Wall and CPU (both processes) per round trip."""
+    path = f"/tmp/bench-front-{os.getpid()}-{transport}.sock"
+    target = _router if transport == "zeromq" else _unix_echo
+    address = f"ipc://{path}" if transport == "zeromq" else path
     context = multiprocessing.get_context("spawn")
-    process = context.Process(target=_router, args=(address, dims), daemon=True)
+    process = context.Process(target=target, args=(address, rows, dims), daemon=True)
     process.start()
-    sock = zmq.Context().socket(zmq.DEALER)
-    sock.connect(address)
-    lengths, ids = np.full(32, 16, np.int32), np.zeros(512, np.int32)
-    for _ in range(1000):
-        sock.send_multipart([b"h" * 25, lengths, ids], copy=False)
-        sock.recv_multipart()
-    assert process.pid is not None
-    cpu0, wall0 = tree_cpu_seconds(process.pid) + time.process_time(), time.perf_counter()
-    for _ in range(rounds):
-        sock.send_multipart([b"h" * 25, lengths, ids], copy=False)
-        sock.recv_multipart()
-    wall = time.perf_counter() - wall0
-    cpu = tree_cpu_seconds(process.pid) + time.process_time() - cpu0
-    process.kill()
+    lengths, ids = np.full(rows, 16, np.int32), np.zeros(16 * rows, np.int32)
+    if transport == "zeromq":
+        dealer = zmq.Context().socket(zmq.DEALER)
+        dealer.connect(address)
+
+        def exchange() -> None:
+            dealer.send_multipart([b"h" * 25, lengths, ids], copy=False)
+            dealer.recv_multipart()
+    else:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for _ in range(100):  # until the echo process listens
+            try:
+                client.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.05)
+        message, buffer = b"h" * 25 + lengths.tobytes() + ids.tobytes(), bytearray(1 << 20)
+
+        def exchange() -> None:
+            client.send(message)
+            client.recv_into(buffer)
+
+    try:
+        for _ in range(1000):
+            exchange()
+        assert process.pid is not None
+        cpu0, wall0 = tree_cpu_seconds(process.pid) + time.process_time(), time.perf_counter()
+        for _ in range(rounds):
+            exchange()
+        wall = time.perf_counter() - wall0
+        cpu = tree_cpu_seconds(process.pid) + time.process_time() - cpu0
+    finally:
+        process.kill()
+        Path(path).unlink(missing_ok=True)
     return {"round_trip_us": wall / rounds * 1e6, "cpu_us_both_sides": cpu / rounds * 1e6}
+
+
+def round_trips() -> dict[str, dict[str, float]]:
+    return {
+        f"{transport}, {rows} row(s)": round_trip(transport, rows)
+        for rows in (1, 32)
+        for transport in ("zeromq", "unix socket")
+    }
 
 
 def _engine_address(engine_pid: int) -> str:
@@ -410,17 +455,22 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("build/bench/front.json"))
     args = p.parse_args()
     texts = sentences(args.data_dir)
-    trip = zmq_round_trip()
+    trips = round_trips()
     tokenizing = tokenizer_cost(args.model_dir, texts)
     rows = grpc_floor(texts, args.seconds)
     for fronts in args.fronts:
         rows += stand_in(args.model_dir, fronts, texts, args.seconds, args.load_processes)
     for batch in args.engine_batches:
         rows += engine_alone(args.model_dir, texts, args.seconds, args.load_processes, batch)
-    print(f"front/engine round trip over ZeroMQ ipc (32 rows in, 32 x 384 floats out): {trip}")
+    for name, trip in trips.items():
+        print(f"front/engine round trip ({name} of 16 ids in, 384 floats per row out): {trip}")
     print(f"tokenizer CPU per sentence, batches of 32, one thread: {tokenizing}\n")
     print(capacity_table(rows))
-    report: dict[str, object] = {"zmq": trip, "tokenizer": tokenizing, "capacity": [asdict(r) for r in rows]}
+    report: dict[str, object] = {
+        "round_trips": trips,
+        "tokenizer": tokenizing,
+        "capacity": [asdict(r) for r in rows],
+    }
     if not args.skip_real_model:
         real = real_model(args.model_dir, texts, args.seconds, args.repeats, args.fronts, args.load_processes)
         print("\n" + real)
