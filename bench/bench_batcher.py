@@ -2,12 +2,14 @@
 costs nothing (what a fast GPU leaves of the engine's cost), and its CPU per input.
 
     python bench/bench_batcher.py [--inputs 64000] [--repeats 3]
+        [--max-batch-size 32] [--max-batch-tokens 1024]
 
-In process, no gRPC, no ZeroMQ: the real Batcher (server/batcher.py, server defaults: 1,024 padded
-tokens and 32 rows per batch, max padding 0.5, 2 workers) over a model run that answers at once with
-(B, 384) vectors; 64 callers keep the queue deep, as a GPU-bound engine sees it. Requests of 32 and of
-1 input, lengths drawn from 8-30 tokens. CPU is the process's (all threads) and the event loop's
-thread alone. Prints a markdown table; writes JSON to build/bench/batcher.json.
+In process, no gRPC, no ZeroMQ: the real Batcher (server/batcher.py, server defaults unless the
+flags say otherwise: 1,024 padded tokens and 32 rows per batch, max padding 0.5, 2 workers) over a
+model run that answers at once with (B, 384) vectors; 64 callers keep the queue deep, as a GPU-bound
+engine sees it. Requests of 32 and of 1 input, lengths drawn from 8-30 tokens. CPU is the process's
+(all threads) and the event loop's thread alone. Prints a markdown table; writes JSON to
+build/bench/batcher.json.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def instant(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return vectors, vectors
 
 
-async def measure(per_request: int, inputs: int, callers: int) -> dict[str, float]:
-    c = ServerConfig()
+async def measure(
+    per_request: int, inputs: int, callers: int, config: ServerConfig | None = None
+) -> dict[str, float]:
+    c = config or ServerConfig()
     limits = BatchLimits(
         c.max_batch_tokens, c.max_batch_size, c.max_queue_delay_ms / 1000, 1 << 20, c.max_padding
     )
@@ -74,10 +78,13 @@ def main() -> None:
     p.add_argument("--inputs", type=int, default=64000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--callers", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=ServerConfig.max_batch_size)
+    p.add_argument("--max-batch-tokens", type=int, default=ServerConfig.max_batch_tokens)
     p.add_argument("--out", type=Path, default=Path("build/bench/batcher.json"))
     args = p.parse_args()
+    config = ServerConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
     runs = [
-        asyncio.run(measure(per, args.inputs if per > 1 else args.inputs // 3, args.callers))
+        asyncio.run(measure(per, args.inputs if per > 1 else args.inputs // 3, args.callers, config))
         for _ in range(args.repeats)
         for per in (32, 1)
     ]
