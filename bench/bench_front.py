@@ -4,9 +4,9 @@
 
 1. Baselines measured here, in this run: the floor of a Python gRPC server (an asyncio handler that
    does nothing, same client, same load), one front/engine round trip over ZeroMQ (and over a plain
-   Unix socket, the alternative), and the CPU the
-   tokenizer costs per sentence (the library with its own normaliser vs the service's Tokenizer,
-   which normalises ASCII texts itself; interleaved, one thread, batches of 32).
+   Unix socket, the alternative), and the CPU the tokenizer costs per sentence (the library with its
+   own normaliser vs the service's Tokenizer, which normalises ASCII texts itself; interleaved, one
+   thread, batches of 32).
 2. The real server (supervisor, fronts, engine, batcher) over an instant stand-in model
    (`python -m tests.stand_in_server instant`, never startable from `minilm-embed-serve`), with each
    of --fronts front processes (1 and 2 by default; 1,2,4,8 on a 16-core GPU host, with
@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -161,13 +162,24 @@ def grpc_floor(texts: list[str], seconds: float) -> list[Capacity]:
         process.kill()
 
 
-def _router(address: str, rows: int, dims: int) -> None:
+def _router(path: str, rows: int, dims: int) -> None:
     sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(address)
+    sock.bind(f"ipc://{path}")
     vectors = np.zeros((rows, dims), np.float32)
     while True:
         identity, *_ = sock.recv_multipart()
         sock.send_multipart([identity, b"h" * 29, vectors], copy=False)
+
+
+def _zeromq_exchange(path: str, submit: list[Any]) -> Callable[[], None]:
+    dealer = zmq.Context().socket(zmq.DEALER)
+    dealer.connect(f"ipc://{path}")
+
+    def exchange() -> None:
+        dealer.send_multipart(submit, copy=False)
+        dealer.recv_multipart()
+
+    return exchange
 
 
 def _unix_echo(path: str, rows: int, dims: int) -> None:
@@ -181,38 +193,38 @@ def _unix_echo(path: str, rows: int, dims: int) -> None:
         connection.send(reply)
 
 
+def _unix_exchange(path: str, submit: list[Any]) -> Callable[[], None]:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for _ in range(100):  # until the echo process listens
+        try:
+            client.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            time.sleep(0.05)
+    else:
+        raise RuntimeError(f"the echo process never listened on {path}")
+    message, buffer = b"".join(bytes(frame) for frame in submit), bytearray(1 << 20)
+
+    def exchange() -> None:
+        client.send(message)
+        client.recv_into(buffer)
+
+    return exchange
+
+
+# transport: (the engine side's echo, the front side's exchange)
+TRANSPORTS = {"zeromq": (_router, _zeromq_exchange), "unix socket": (_unix_echo, _unix_exchange)}
+
+
 def round_trip(transport: str, rows: int, rounds: int = 20000, dims: int = 384) -> dict[str, float]:
     """One SUBMIT of `rows` rows of 16 ids and its RESULT of rows x 384 floats, the engine side an echo
     in another process: over ZeroMQ (DEALER/ROUTER, ipc; what the server uses) or, for comparison, a
     plain Unix SOCK_SEQPACKET socket (no I/O thread). Wall and CPU (both processes) per round trip."""
-    path = f"/tmp/bench-front-{os.getpid()}-{transport}.sock"
-    target = _router if transport == "zeromq" else _unix_echo
-    address = f"ipc://{path}" if transport == "zeromq" else path
-    context = multiprocessing.get_context("spawn")
-    process = context.Process(target=target, args=(address, rows, dims), daemon=True)
+    path = f"/tmp/bench-front-{os.getpid()}-{transport.replace(' ', '-')}.sock"
+    echo, connect = TRANSPORTS[transport]
+    process = multiprocessing.get_context("spawn").Process(target=echo, args=(path, rows, dims), daemon=True)
     process.start()
-    lengths, ids = np.full(rows, 16, np.int32), np.zeros(16 * rows, np.int32)
-    if transport == "zeromq":
-        dealer = zmq.Context().socket(zmq.DEALER)
-        dealer.connect(address)
-
-        def exchange() -> None:
-            dealer.send_multipart([b"h" * 25, lengths, ids], copy=False)
-            dealer.recv_multipart()
-    else:
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for _ in range(100):  # until the echo process listens
-            try:
-                client.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                time.sleep(0.05)
-        message, buffer = b"h" * 25 + lengths.tobytes() + ids.tobytes(), bytearray(1 << 20)
-
-        def exchange() -> None:
-            client.send(message)
-            client.recv_into(buffer)
-
+    exchange = connect(path, [b"h" * 25, np.full(rows, 16, np.int32), np.zeros(16 * rows, np.int32)])
     try:
         for _ in range(1000):
             exchange()
@@ -232,7 +244,7 @@ def round_trips() -> dict[str, dict[str, float]]:
     return {
         f"{transport}, {rows} row(s)": round_trip(transport, rows)
         for rows in (1, 32)
-        for transport in ("zeromq", "unix socket")
+        for transport in TRANSPORTS
     }
 
 
@@ -444,11 +456,10 @@ def main() -> None:
         help="client processes generating the gRPC load at 64 callers (1 here; e.g. 4 on 16 cores, where "
         "one asyncio client is slower than several fronts)",
     )
-    defaults = ServerConfig()
     p.add_argument(
         "--engine-batches",
         type=lambda v: [tuple(int(n) for n in b.split("x")) for b in v.split(",")],
-        default=[(defaults.max_batch_size, defaults.max_batch_tokens), (256, 8192)],
+        default=[(ServerConfig.max_batch_size, ServerConfig.max_batch_tokens), (256, 8192)],
         help="the engine alone at each of these batch limits, ROWSxTOKENS, comma-separated (default: the "
         "server's, 32x1024, and 256x8192, a GPU-sized batch)",
     )
