@@ -23,6 +23,7 @@ from minilm_embed.client.client import (
     embed_request,
     to_array,
 )
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,15 +59,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ef.add_argument("--out", type=Path, required=True, help="output: .npy or .jsonl")
     ef.add_argument("--jsonl", action="store_true", help='input lines are {"id": ..., "text": "..."}')
     ef.add_argument("--resume", action="store_true", help="continue the rows already in --out")
-    ef.add_argument("--batch-size", type=int, default=32, help="texts per request")
+    ef.add_argument(
+        "--batch-size", type=int, default=32, help="texts per request (at most the server's limit)"
+    )
     ef.add_argument(
         "--max-request-bytes",
         type=int,
         default=1 << 20,
-        help="UTF-8 bytes of text per request (below the server's --max-message-bytes)",
+        help="UTF-8 bytes of text per request (at most half the server's max_message_bytes)",
     )
     ef.add_argument("--concurrency", type=int, default=16, help="requests in flight")
-    ef.add_argument("--retries", type=int, default=10, help="per request, on RESOURCE_EXHAUSTED/UNAVAILABLE")
+    ef.add_argument(
+        "--retry-for",
+        type=float,
+        default=600.0,
+        help="seconds a request is retried for, on RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED",
+    )
+    ef.add_argument("--retries", type=int, default=None, help="at most this many retries per request")
     ef.add_argument("--no-normalize", action="store_true")
     sub.add_parser("info", help="the model and limits of the server; JSON out")
     return p.parse_args(argv)
@@ -111,14 +120,15 @@ def bulk_job(args: argparse.Namespace) -> bulk.Job:
         max_request_bytes=args.max_request_bytes,
         concurrency=args.concurrency,
         normalize=not args.no_normalize,
-        backoff=bulk.Backoff(retries=max(args.retries, 0)),
+        backoff=bulk.Backoff(for_s=max(args.retry_for, 0.0), retries=args.retries),
     )
 
 
 @contextlib.contextmanager
 def progress() -> Iterator[Callable[[int], None]]:
     """tqdm's bar where tqdm is installed (`minilm-embed[progress]`), else a count at the end: the
-    client alone needs only grpcio, protobuf and numpy."""
+    client alone needs only grpcio, protobuf and numpy. The bar starts with the first rows, so a job
+    refused before it writes any (an existing output, a bad line) prints no empty bar."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -130,34 +140,50 @@ def progress() -> Iterator[Callable[[int], None]]:
         yield count
         print(f"{done[0]} texts embedded", file=sys.stderr)
         return
-    with tqdm(unit="text", file=sys.stderr) as bar:
+    bars: list[tqdm] = []
 
-        def advance(n: int) -> None:
-            bar.update(n)
+    def advance(n: int) -> None:
+        if not bars:
+            bars.append(tqdm(unit="text", file=sys.stderr))
+        bars[0].update(n)
 
+    try:
         yield advance
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def served(info: pb.InfoResponse) -> bulk.Served:
+    limits = info.limits
+    return bulk.Served(
+        info.dimensions, limits.max_inputs_per_request, limits.max_text_chars, limits.max_message_bytes
+    )
 
 
 async def embed_file(job: bulk.Job, address: str, timeout: float, security: Security) -> bulk.Stats:
     async with AsyncEmbeddingClient(address, timeout, security) as c:
-        dims = (await c.info()).dimensions
+        # A server still warming up (UNAVAILABLE) is waited for, as a refused request would be.
+        server = served(await bulk.with_retries(c.info, job.backoff, bulk.Stats()))
         with progress() as update:
-            return await bulk.run_job(job, c, dims, update)
+            return await bulk.run_job(job, c, server, update)
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
-    except (grpc.RpcError, KeyboardInterrupt):
+    except KeyboardInterrupt:
         if job.out.exists():
-            print(
-                f"client: {job.out} holds whole rows only; run again with --resume to continue",
-                file=sys.stderr,
-            )
-        raise
+            print(f"client: stopped; run again with --resume to continue {job.out}", file=sys.stderr)
+        return 130
     resumed = f", {stats.resumed} of them from before" if stats.resumed else ""
-    print(f"wrote {stats.rows} rows to {job.out}{resumed}; {stats.retried} refusals retried", file=sys.stderr)
+    retried = plural(stats.retried, "refusal")
+    print(f"wrote {plural(stats.rows, 'row')} to {job.out}{resumed}; {retried} retried", file=sys.stderr)
     return 0
 
 
@@ -174,11 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return commands[args.command](args)
     except grpc.RpcError as e:
-        print(f"client: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        report(f"{e.code().name}: {e.details()}", e)
         return 1
     except (OSError, bulk.InputFileError, bulk.OutputFileError) as e:
-        print(f"client: error: {e}", file=sys.stderr)
+        report(str(e), e)
         return 2
+
+
+def report(message: str, error: BaseException) -> None:
+    """The error on one line, then what it leaves behind (its notes: an output that resumes)."""
+    for line in (f"error: {message}", *getattr(error, "__notes__", ())):
+        print(f"client: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,28 @@ Two output formats, chosen by the suffix of the output path:
 - `.npy`: float32 [rows, dimensions], rows appended as they come. Until the job ends, the file's magic
   is PARTIAL_MAGIC (numpy refuses to load it); the header with the row count and numpy's magic are
   written last. For JSONL input the ids go beside it, one JSON value per line, in `<out>.ids.jsonl`.
-- `.jsonl`: one `{"id": ..., "embedding": [...]}` object per line.
+- `.jsonl`: one `{"id": ..., "embedding": [...]}` object per line, each float with the 9 significant
+  digits that give back the same float32.
+
+CSV is not read as columns: a header or a quoted newline would become rows of their own, so a `.csv`
+or `.tsv` input is refused (give JSONL instead, or one text per line).
+
+Before the first request the job learns the server's limits from its Info: requests hold at most
+`max_inputs_per_request` texts and half `max_message_bytes` of text, and a line over `max_text_chars`
+ends the job naming its line, as any bad line does, after every row before it is written.
 
 Rows are written in input order as soon as they and every row before them are back, so at most
 `concurrency` requests of `batch_size` texts are held. A request refused with RESOURCE_EXHAUSTED
-(queue full) or UNAVAILABLE (warming up, draining) is retried with exponential backoff.
+(queue full), UNAVAILABLE (warming up, draining) or DEADLINE_EXCEEDED (a long queue; the server
+dropped it before computing it) is retried with exponential backoff for up to 10 minutes; a message
+over the server's size limit is not (it would fail again).
 
 Resuming (`resume=True`) counts the whole rows already in the output (a row cut short by a kill is
 dropped), skips that many input records and appends the rest. With ids (JSONL input or output) the
-last id written must be the id of the input record at that position, so a different input is refused.
+last id written must be the id of the input record at that position, so a different input is refused;
+a `.npy` made from JSONL input (ids beside it) resumes only with JSONL input, and one made from text
+only with text. The output is read, not changed, until the input has been checked against it: a
+refused resume leaves it as it was, sealed or not.
 The server batches requests together, so a vector is equal across runs within the batch invariance the
 server guarantees (cosine >= 0.99999), not bit for bit.
 """
@@ -33,21 +46,32 @@ import itertools
 import json
 import os
 import random
+import re
 import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
 
-RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# Refusals that may pass later. A request past its deadline is one: the server drops inputs whose
+# deadline passed before computing them, so sending it again does the work once.
+RETRYABLE = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 PARTIAL_MAGIC = b"\x93PARTL"  # in place of numpy's b"\x93NUMPY" while the job runs
 NPY_MAGIC = b"\x93NUMPY"
 IDS_SUFFIX = ".ids.jsonl"
+T = TypeVar("T")
+FLOAT32 = "{:.9g}"  # 9 significant digits give back every float32 exactly; float64's 17 only take room
+NOT_COLUMNS = (".csv", ".tsv")
 
 
 class InputFileError(Exception):
@@ -62,6 +86,7 @@ class OutputFileError(Exception):
 class Record:
     id: Any  # the line number for text input, the object's "id" for JSONL
     text: str
+    line: int  # in the input file, for messages
 
 
 # Input.
@@ -82,21 +107,40 @@ def text_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Record
     for number, text in lines:
         if not text:
             raise InputFileError(f"{name}:{number}: empty line (the file holds one text per line)")
-        yield Record(number, text)
+        yield Record(number, text, number)
 
 
 def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Record]:
     for number, line in lines:
+        if not line:
+            raise InputFileError(
+                f'{name}:{number}: empty line (expected an object {{"id": ..., "text": "..."}})'
+            )
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputFileError(f"{name}:{number}: not JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(item, dict) or "id" not in item:
             raise InputFileError(f'{name}:{number}: expected an object {{"id": ..., "text": "..."}}')
-        text = item.get("text")
+        if "text" not in item:
+            raise InputFileError(f'{name}:{number}: the object has no "text"')
+        text = item["text"]
         if not isinstance(text, str) or not text:
-            raise InputFileError(f'{name}:{number}: "text" must be a non-empty string, not {text!r}')
-        yield Record(item["id"], text)
+            raise InputFileError(
+                f'{name}:{number}: "text" must be a non-empty string, not {json.dumps(text)}'
+            )
+        yield Record(item["id"], text, number)
+
+
+def within(records: Iterable[Record], max_chars: int, name: str) -> Iterator[Record]:
+    """The records, ending at the first over the server's max_text_chars (0: no limit known)."""
+    for record in records:
+        if max_chars and len(record.text) > max_chars:
+            raise InputFileError(
+                f"{name}:{record.line}: {len(record.text)} characters, over the server's limit "
+                f"max_text_chars={max_chars}"
+            )
+        yield record
 
 
 def chunks(
@@ -129,9 +173,12 @@ def chunks(
 
 
 class Sink(Protocol):
-    """Where rows go: `open` says what is already there, `close(complete=True)` seals the output."""
+    """Where rows go. `inspect` reads what an existing output holds and changes nothing; `open` starts
+    writing (`resume`: after what `inspect` found, else into an empty output); `close(complete=True)`
+    seals it."""
 
-    def open(self, resume: bool) -> Written: ...
+    def inspect(self) -> Written: ...
+    def open(self, resume: bool) -> None: ...
     def write(self, records: list[Record], vectors: np.ndarray) -> None: ...
     def close(self, complete: bool) -> None: ...
 
@@ -152,17 +199,25 @@ class Written:
     last_id: tuple[Any, ...] = ()  # (id,) or () where the output keeps no ids
 
 
-def whole_lines(path: Path, keep: int | None = None) -> tuple[int, bytes]:
-    """Count a line-per-row file's complete lines (at most `keep`), truncate what follows them, and
-    return the count and the last line kept. Streams: a resumed 1M-row job reads, never holds, its rows."""
-    count, offset, last = 0, 0, b""
-    with path.open("r+b") as f:
+@dataclass(frozen=True)
+class Lines:
+    """A line-per-row file's first complete lines: how many, the bytes they take, the last of them."""
+
+    count: int = 0
+    size: int = 0
+    last: bytes = b""
+
+
+def whole_lines(path: Path, keep: int | None = None) -> Lines:
+    """The complete lines (at most `keep`) at the start of a line-per-row file. Streams: a resumed
+    1M-row job reads, never holds, its rows."""
+    count, size, last = 0, 0, b""
+    with path.open("rb") as f:
         for line in f:
             if not line.endswith(b"\n") or count == keep:
                 break
-            count, offset, last = count + 1, offset + len(line), line
-        f.truncate(offset)
-    return count, last
+            count, size, last = count + 1, size + len(line), line
+    return Lines(count, size, last)
 
 
 def same_layout(a: bytes, b: bytes) -> bool:
@@ -176,6 +231,7 @@ class NpySink:
     dims: int
     ids_path: Path | None = None  # for JSONL input: the ids, one JSON value per line
     rows: int = 0
+    _ids_size: int = 0  # bytes of the ids file that hold `rows` ids, from inspect()
     _vectors: IO[bytes] | None = field(default=None, repr=False)
     _ids: IO[bytes] | None = field(default=None, repr=False)
 
@@ -183,21 +239,12 @@ class NpySink:
     def header_size(self) -> int:
         return len(npy_header(0, self.dims))
 
-    def open(self, resume: bool) -> Written:
-        written = self._resume() if resume and self.path.exists() else self._create()
-        self._vectors = self.path.open("r+b")
-        self._vectors.seek(0, os.SEEK_END)
-        if self.ids_path is not None:
-            self._ids = self.ids_path.open("ab")
-        return written
+    @property
+    def ids_beside(self) -> Path:
+        """Where a JSONL job's ids go, whether or not this job keeps ids."""
+        return self.path.with_name(self.path.stem + IDS_SUFFIX)
 
-    def _create(self) -> Written:
-        self.path.write_bytes(npy_header(0, self.dims, PARTIAL_MAGIC))
-        if self.ids_path is not None:
-            self.ids_path.write_bytes(b"")
-        return Written()
-
-    def _resume(self) -> Written:
+    def inspect(self) -> Written:
         with self.path.open("rb") as f:
             head = f.read(self.header_size)
         for magic in (NPY_MAGIC, PARTIAL_MAGIC):
@@ -209,16 +256,33 @@ class NpySink:
         if columns != self.dims:
             raise OutputFileError(f"{self.path}: rows of {columns} floats, but the server gives {self.dims}")
         self.rows = (self.path.stat().st_size - self.header_size) // (4 * self.dims)
-        last_id: tuple[Any, ...] = ()
-        if self.ids_path is not None:
-            self.rows, last = (
-                whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else (0, b"")
+        if self.ids_path is None:
+            if self.rows and self.ids_beside.exists():
+                raise OutputFileError(
+                    f"{self.path}: made from JSONL input (its ids are in {self.ids_beside}): "
+                    "resume it with --jsonl"
+                )
+            return Written(self.rows)
+        if self.rows and not self.ids_path.exists():
+            raise OutputFileError(
+                f"{self.path}: made from text input (no {self.ids_path} beside it): resume it without --jsonl"
             )
-            last_id = (json.loads(last),) if self.rows else ()
-        with self.path.open("r+b") as f:
+        ids = whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else Lines()
+        self.rows, self._ids_size = ids.count, ids.size
+        return Written(self.rows, (json.loads(ids.last),) if self.rows else ())
+
+    def open(self, resume: bool) -> None:
+        if not resume:
+            self.rows = self._ids_size = 0
+        with self.path.open("r+b" if self.path.exists() else "wb") as f:
             f.write(npy_header(0, self.dims, PARTIAL_MAGIC))
             f.truncate(self.header_size + 4 * self.dims * self.rows)
-        return Written(self.rows, last_id)
+        self._vectors = self.path.open("r+b")
+        self._vectors.seek(0, os.SEEK_END)
+        if self.ids_path is not None:
+            self._ids = self.ids_path.open("r+b" if self.ids_path.exists() else "wb")
+            self._ids.truncate(self._ids_size)
+            self._ids.seek(0, os.SEEK_END)
 
     def write(self, records: list[Record], vectors: np.ndarray) -> None:
         assert self._vectors is not None and vectors.shape == (len(records), self.dims)
@@ -241,24 +305,28 @@ class NpySink:
 class JsonlSink:
     path: Path
     rows: int = 0
+    _size: int = 0  # bytes that hold `rows` rows, from inspect()
     _out: IO[bytes] | None = field(default=None, repr=False)
 
-    def open(self, resume: bool) -> Written:
-        written = Written()
-        if resume and self.path.exists():
-            self.rows, last = whole_lines(self.path)
-            written = Written(self.rows, (json.loads(last)["id"],) if self.rows else ())
-        else:
-            self.path.write_bytes(b"")
-        self._out = self.path.open("ab")
-        return written
+    def inspect(self) -> Written:
+        lines = whole_lines(self.path)
+        self.rows, self._size = lines.count, lines.size
+        return Written(self.rows, (json.loads(lines.last)["id"],) if self.rows else ())
+
+    def open(self, resume: bool) -> None:
+        if not resume:
+            self.rows = self._size = 0
+        self._out = self.path.open("r+b" if self.path.exists() else "wb")
+        self._out.truncate(self._size)
+        self._out.seek(0, os.SEEK_END)
 
     def write(self, records: list[Record], vectors: np.ndarray) -> None:
         assert self._out is not None
         rows = (
-            json.dumps({"id": r.id, "embedding": v.tolist()}) for r, v in zip(records, vectors, strict=True)
+            f'{{"id": {json.dumps(r.id)}, "embedding": [{",".join(map(FLOAT32.format, v.tolist()))}]}}\n'
+            for r, v in zip(records, vectors, strict=True)
         )
-        self._out.write("".join(row + "\n" for row in rows).encode())
+        self._out.write("".join(rows).encode())
         self.rows += len(records)
 
     def close(self, complete: bool) -> None:
@@ -293,33 +361,49 @@ def skip_written(records: Iterator[Record], written: Written, name: str) -> None
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k."""
+    """Exponential backoff with jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k
+    up to max_s, for as long as `for_s` seconds after the first attempt (a job outlasts a busy spell
+    of that length), and at most `retries` times where that is set."""
 
-    retries: int = 10
+    for_s: float = 600.0
+    retries: int | None = None
     first_s: float = 0.1
     max_s: float = 10.0
 
     def delays(self) -> Iterator[float]:
-        for k in range(self.retries):
-            d = min(self.max_s, self.first_s * 2**k)
-            yield random.uniform(d / 2, d)
+        start, slept = time.monotonic(), 0.0
+        for k in itertools.count():
+            d = min(self.max_s, self.first_s * 2 ** min(k, 64))
+            delay = random.uniform(d / 2, d)
+            # Counted in the waits themselves as well as the clock, so time spent in calls counts too.
+            if (self.retries is not None and k >= self.retries) or max(
+                time.monotonic(), start + slept
+            ) + delay > start + self.for_s:
+                return
+            slept += delay
+            yield delay
 
 
 @dataclass
 class Stats:
     rows: int = 0  # in the output, those of earlier runs included
     resumed: int = 0  # rows that were there when the job started
-    retried: int = 0  # requests refused (RESOURCE_EXHAUSTED, UNAVAILABLE) and sent again
+    retried: int = 0  # requests refused (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED), sent again
 
 
-async def with_retries(
-    call: Callable[[], Awaitable[np.ndarray]], backoff: Backoff, stats: Stats
-) -> np.ndarray:
+def retryable(error: grpc.RpcError) -> bool:
+    """A refusal that may pass later: a full queue, a server warming up or draining, a deadline passed
+    in a long queue. A message over the size limit is RESOURCE_EXHAUSTED too, and would fail every time."""
+    too_large = "larger than max" in (error.details() or "")
+    return error.code() in RETRYABLE and not too_large
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], backoff: Backoff, stats: Stats) -> T:
     for delay in backoff.delays():
         try:
             return await call()
         except grpc.RpcError as e:
-            if e.code() not in RETRYABLE:
+            if not retryable(e):
                 raise
         stats.retried += 1
         await asyncio.sleep(delay)
@@ -328,7 +412,7 @@ async def with_retries(
 
 async def run_pipeline(
     records: Iterator[Record],
-    embed: Callable[[list[str]], Coroutine[Any, Any, np.ndarray]],
+    embed: Callable[[list[Record]], Coroutine[Any, Any, np.ndarray]],
     write: Callable[[list[Record], np.ndarray], None],
     batch_size: int,
     concurrency: int,
@@ -351,7 +435,7 @@ async def run_pipeline(
                 break
             if len(pending) >= concurrency:
                 await write_oldest()
-            pending.append((chunk, asyncio.create_task(embed([r.text for r in chunk]))))
+            pending.append((chunk, asyncio.create_task(embed(chunk))))
         while pending:
             await write_oldest()
         if error is not None:
@@ -367,12 +451,28 @@ class Job:
     out: Path
     jsonl: bool = False
     resume: bool = False
-    batch_size: int = 32
-    # Text per request: half the server's default --max-message-bytes (2 MiB), for protobuf's framing.
+    batch_size: int = 32  # at most the server's max_inputs_per_request
+    # Text per request, at most half the server's max_message_bytes (room for protobuf's framing).
     max_request_bytes: int = 1 << 20
     concurrency: int = 16
     normalize: bool = True
     backoff: Backoff = Backoff()
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a job needs of the server, from its Info; a limit of 0 is one the server did not say."""
+
+    dims: int
+    max_inputs_per_request: int = 0
+    max_text_chars: int = 0
+    max_message_bytes: int = 0
+
+    def batch_size(self, job: Job) -> int:
+        return min(job.batch_size, self.max_inputs_per_request or job.batch_size)
+
+    def request_bytes(self, job: Job) -> int:
+        return min(job.max_request_bytes, self.max_message_bytes // 2 or job.max_request_bytes)
 
 
 class Embedder(Protocol):
@@ -384,36 +484,70 @@ def input_stream(source: Path | None) -> Iterator[tuple[IO[bytes], str]]:
     if source is None:
         yield sys.stdin.buffer, "<stdin>"
         return
+    if source.suffix.lower() in NOT_COLUMNS:
+        raise InputFileError(
+            f"{source}: CSV is not read as columns (its header and any quoted newline would be rows "
+            'of their own): give one text per line, or {"id": ..., "text": "..."} lines with --jsonl'
+        )
     with source.open("rb") as stream:
         yield stream, str(source)
 
 
-async def run_job(job: Job, client: Embedder, dims: int, progress: Callable[[int], None]) -> Stats:
-    """Embed job.source into job.out. On an error the output holds whole rows only and resumes."""
+INPUT_AT = re.compile(r"input (\d+)\b")
+
+
+def refused_line(error: grpc.RpcError, chunk: list[Record], name: str) -> InputFileError | None:
+    """The server's INVALID_ARGUMENT for "input K" of a request, as the file's line: "input K" is the
+    position inside the request, which the user cannot map back to the file."""
+    match = INPUT_AT.match(error.details() or "")
+    if error.code() != grpc.StatusCode.INVALID_ARGUMENT or match is None or int(match[1]) >= len(chunk):
+        return None
+    return InputFileError(f"{name}:{chunk[int(match[1])].line}: refused by the server: {error.details()}")
+
+
+async def run_job(job: Job, client: Embedder, served: Served, progress: Callable[[int], None]) -> Stats:
+    """Embed job.source into job.out. On an error the output holds whole rows only and resumes; the
+    error carries a note that says so."""
     if job.out.exists() and not job.resume:
         raise OutputFileError(f"{job.out} exists: add --resume to continue it, or remove it")
-    sink = sink_for(job.out, dims, job.jsonl)
+    sink = sink_for(job.out, served.dims, job.jsonl)
     with input_stream(job.source) as (stream, name):
         parse = jsonl_records if job.jsonl else text_records
-        records = parse(read_lines(stream, name), name)
-        written = sink.open(job.resume)
+        records = within(parse(read_lines(stream, name), name), served.max_text_chars, name)
+        written = sink.inspect() if job.resume and job.out.exists() else Written()
+        skip_written(records, written, name)  # before the output is touched: a refusal leaves it as it was
+        sink.open(resume=written.rows > 0)
         stats = Stats(rows=written.rows, resumed=written.rows)
         complete = False
         try:
-            skip_written(records, written, name)
 
             def write(done: list[Record], vectors: np.ndarray) -> None:
                 sink.write(done, vectors)
                 stats.rows += len(done)
                 progress(len(done))
 
-            async def embed(texts: list[str]) -> np.ndarray:
-                return await with_retries(
-                    lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats
-                )
+            async def embed(chunk: list[Record]) -> np.ndarray:
+                texts = [r.text for r in chunk]
+                try:
+                    return await with_retries(
+                        lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats
+                    )
+                except grpc.RpcError as e:
+                    line = refused_line(e, chunk, name)
+                    if line is None:
+                        raise
+                    raise line from e
 
-            await run_pipeline(records, embed, write, job.batch_size, job.concurrency, job.max_request_bytes)
+            await run_pipeline(
+                records, embed, write, served.batch_size(job), job.concurrency, served.request_bytes(job)
+            )
             complete = True
+        except BaseException as e:
+            e.add_note(
+                f"{job.out} holds the {stats.rows} whole rows before this; "
+                "run again with --resume to go on from there"
+            )
+            raise
         finally:
             sink.close(complete)
     return stats

@@ -9,7 +9,7 @@ raises one of client.errors' exceptions (InvalidInput, Overloaded, Unavailable, 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,16 +83,28 @@ class Security:
         return channel_options() + override
 
 
+def text_list(texts: str | Iterable[str] | None) -> list[str]:
+    """The texts as a list: a lone str is one text (not one per character); any iterable of str
+    (a list, a numpy array, a pandas Series) is accepted; anything else is a TypeError naming it."""
+    if texts is None:
+        return []
+    items = [texts] if isinstance(texts, str) else list(texts)
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
+    return items
+
+
 def embed_request(
-    texts: Sequence[str] | None = None,
-    token_ids: Sequence[Sequence[int]] | None = None,
+    texts: str | Iterable[str] | None = None,
+    token_ids: Iterable[Sequence[int]] | None = None,
     normalize: bool = True,
     truncate: bool = True,
 ) -> pb.EmbedRequest:
     """An Embed request for texts or token-id sequences (one of the two), asking for float32 bytes."""
     return pb.EmbedRequest(
-        texts=list(texts or []),
-        token_ids=[pb.TokenIds(ids=list(ids)) for ids in token_ids or []],
+        texts=text_list(texts),
+        token_ids=[pb.TokenIds(ids=list(ids)) for ids in (() if token_ids is None else token_ids)],
         normalize=normalize,
         truncate=truncate,
         format=pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
@@ -142,17 +154,18 @@ class EmbeddingClient:
         """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
         return self._call(self.stub.Embed, request)
 
-    def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
-        """(len(texts), D) float32 vectors, in input order; `truncate=False` refuses over-long texts."""
+    def embed(self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+        """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D));
+        `truncate=False` refuses over-long texts."""
         return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
 
     def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
         """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
         return to_array(self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
 
-    def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
+    def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
-        return self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=list(texts), truncate=truncate))
+        return self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=text_list(texts), truncate=truncate))
 
     def info(self) -> pb.InfoResponse:
         """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""
@@ -194,8 +207,11 @@ class AsyncEmbeddingClient:
         """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
         return await self._call(self.stub.Embed, request)
 
-    async def embed(self, texts: Sequence[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
-        """(len(texts), D) float32 vectors, in input order; `truncate=False` refuses over-long texts."""
+    async def embed(
+        self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True
+    ) -> np.ndarray:
+        """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D));
+        `truncate=False` refuses over-long texts."""
         return to_array(
             await self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate))
         )
@@ -204,9 +220,10 @@ class AsyncEmbeddingClient:
         """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
         return to_array(await self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
 
-    async def tokenize(self, texts: Sequence[str], truncate: bool = True) -> pb.TokenizeResponse:
+    async def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
-        return await self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=list(texts), truncate=truncate))
+        request = pb.TokenizeRequest(texts=text_list(texts), truncate=truncate)
+        return await self._call(self.stub.Tokenize, request)
 
     async def info(self) -> pb.InfoResponse:
         """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""

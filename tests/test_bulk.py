@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,7 @@ def test_refusals_from_a_full_queue_are_retried_until_every_row_is_written(tmp_p
             want = alone(c, lines[:50])
     assert done.returncode == 0, done.stderr
     assert refused > 0
-    retried = int(done.stderr.split(" refusals retried")[0].rsplit(" ", 1)[1])
+    retried = int(re.search(r"(\d+) refusals? retried", done.stderr)[1])
     assert retried == refused  # every refusal the server counted was sent again
     vectors = np.load(out)
     assert vectors.shape == (len(lines), 384)
@@ -229,23 +230,30 @@ def test_a_cut_short_row_is_dropped_on_resume(tmp_path):
     out = tmp_path / "v.npy"
     sink = bulk.NpySink(out, dims=4)
     sink.open(resume=False)
-    records = [bulk.Record(i, "t") for i in range(3)]
+    records = [bulk.Record(i, "t", i) for i in range(3)]
     sink.write(records, np.arange(12, dtype=np.float32).reshape(3, 4))
     sink.close(complete=False)
     with out.open("ab") as f:
         f.write(b"\x00" * 6)  # half a row: the kill came mid-write
     resumed = bulk.NpySink(out, dims=4)
-    assert resumed.open(resume=True).rows == 3
-    resumed.write([bulk.Record(3, "t")], np.full((1, 4), 7, dtype=np.float32))
+    assert resumed.inspect().rows == 3
+    assert out.stat().st_size == len(bulk.npy_header(0, 4)) + 3 * 16 + 6  # inspecting changes nothing
+    resumed.open(resume=True)
+    resumed.write([bulk.Record(3, "t", 3)], np.full((1, 4), 7, dtype=np.float32))
     resumed.close(complete=True)
     assert np.load(out).tolist() == [*np.arange(12).reshape(3, 4).tolist(), [7] * 4]
 
 
-def test_unavailable_and_resource_exhausted_are_retried_and_others_are_not():
+def test_refusals_that_may_pass_later_are_retried_and_others_are_not():
     def error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
 
-    outcomes = [error(grpc.StatusCode.UNAVAILABLE), error(grpc.StatusCode.RESOURCE_EXHAUSTED), np.ones(1)]
+    outcomes = [
+        error(grpc.StatusCode.UNAVAILABLE),
+        error(grpc.StatusCode.RESOURCE_EXHAUSTED),
+        error(grpc.StatusCode.DEADLINE_EXCEEDED),  # dropped before compute in a long queue
+        np.ones(1),
+    ]
 
     async def call() -> np.ndarray:
         outcome = outcomes.pop(0)
@@ -254,20 +262,42 @@ def test_unavailable_and_resource_exhausted_are_retried_and_others_are_not():
         return outcome
 
     stats = bulk.Stats()
-    backoff = bulk.Backoff(retries=2, first_s=0.001)
+    backoff = bulk.Backoff(retries=3, first_s=0.001)
     assert asyncio.run(bulk.with_retries(call, backoff, stats)).tolist() == [1.0]
-    assert stats.retried == 2
+    assert stats.retried == 3
     outcomes[:] = [error(grpc.StatusCode.INVALID_ARGUMENT), np.ones(1)]
     with pytest.raises(grpc.aio.AioRpcError):
         asyncio.run(bulk.with_retries(call, backoff, stats))
-    outcomes[:] = [error(grpc.StatusCode.UNAVAILABLE)] * 3
+    # gRPC's own refusal of a message over the size limit is RESOURCE_EXHAUSTED too; it would fail again
+    too_large = "Received message larger than max (4000123 vs. 2097152)"
+    outcomes[:] = [
+        grpc.aio.AioRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), too_large
+        ),
+        np.ones(1),
+    ]
+    with pytest.raises(grpc.aio.AioRpcError, match="larger than max"):
+        asyncio.run(bulk.with_retries(call, backoff, stats))
+    assert stats.retried == 3
+    outcomes[:] = [error(grpc.StatusCode.UNAVAILABLE)] * 4
     with pytest.raises(grpc.aio.AioRpcError):  # retries spent: the last error is the job's
         asyncio.run(bulk.with_retries(call, backoff, stats))
+    assert not outcomes
+
+
+def test_retries_go_on_for_the_time_given_not_a_count():
+    backoff = bulk.Backoff(for_s=0.5, first_s=0.01, max_s=0.05)
+    started = time.monotonic()
+    delays = list(backoff.delays())
+    assert time.monotonic() - started < 0.1  # the generator does not sleep; the caller does
+    assert 0.4 <= sum(delays) <= 0.5  # as many as fit in 0.5 s: ~10 at the 0.05 s cap, not a fixed 10
+    assert len(delays) > 10
+    assert len(list(bulk.Backoff(for_s=100, retries=4, first_s=0.001).delays())) == 4
 
 
 def test_chunks_stop_at_the_byte_budget_as_well_as_the_count():
     texts = ["a" * 600, "é" * 300, "b" * 10, "c" * 2000, "d", "e", "f"]  # "é" is 2 bytes in UTF-8
-    records = iter(bulk.Record(i, t) for i, t in enumerate(texts))
+    records = iter(bulk.Record(i, t, i) for i, t in enumerate(texts))
     got = [[r.id for r in chunk] for chunk, error in bulk.chunks(records, 3, 1000)]
     # 600 + 600 > 1000; 600 + 10 fits; a 2000-byte text goes alone; then the count of 3 cuts
     assert got == [[0], [1, 2], [3], [4, 5, 6]]
@@ -284,3 +314,101 @@ def test_a_file_of_long_texts_fits_the_servers_message_limit(server, client, tmp
     done = embed_file(server, str(path), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert_close(np.load(out), alone(client, texts))
+
+
+def test_jsonl_rows_give_back_the_same_float32_in_fewer_bytes(tmp_path):
+    vectors = np.random.default_rng(0).standard_normal((50, 384)).astype(np.float32) / 20
+    vectors[0, :4] = [0.0, -0.0, 1e-38, 3.4028235e38]
+    sink = bulk.JsonlSink(tmp_path / "v.jsonl")
+    sink.open(resume=False)
+    sink.write([bulk.Record(f"id-{i}", "t", i) for i in range(50)], vectors)
+    sink.close(complete=True)
+    rows = read_jsonl(tmp_path / "v.jsonl")
+    assert [r["id"] for r in rows] == [f"id-{i}" for i in range(50)]
+    got = np.asarray([r["embedding"] for r in rows], dtype=np.float32)
+    assert np.array_equal(got, vectors)  # every float32 exactly (-0.0 reads back as 0.0)
+    as_float64 = len(json.dumps({"id": "id-0", "embedding": vectors[1].tolist()}))
+    assert len((tmp_path / "v.jsonl").read_bytes()) < 0.75 * 50 * as_float64
+
+
+def test_a_server_refusal_names_the_file_line_not_the_position_in_the_request():
+    chunk = [bulk.Record(i, "t", 40 + i) for i in range(8)]
+
+    def refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+    got = bulk.refused_line(
+        refusal(grpc.StatusCode.INVALID_ARGUMENT, "input 6 is an empty string"), chunk, "f"
+    )
+    assert str(got) == "f:46: refused by the server: input 6 is an empty string"
+    for code, details in [
+        (grpc.StatusCode.INVALID_ARGUMENT, "input 8 is an empty string"),  # not in this request
+        (grpc.StatusCode.INVALID_ARGUMENT, "300 inputs in one request"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "input 6 is an empty string"),
+    ]:
+        assert bulk.refused_line(refusal(code, details), chunk, "f") is None
+
+
+def test_a_line_over_the_servers_text_limit_stops_the_job_at_its_line(server, tmp_path):
+    lines = ["first", "second", "x" * 100_001, "fourth"]
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "v.jsonl"
+    done = embed_file(server, str(path), "--out", str(out))
+    assert done.returncode == 2, done.stderr
+    assert "in.txt:3: 100001 characters, over the server's limit max_text_chars=100000" in done.stderr
+    assert "holds the 2 whole rows before this; run again with --resume" in done.stderr
+    assert [r["id"] for r in read_jsonl(out)] == [1, 2]
+
+
+def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp_path):
+    lines = corpus(300)  # the server takes at most 256 inputs per request
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "v.npy"
+    done = embed_file(server, str(path), "--out", str(out), "--batch-size", "300")
+    assert done.returncode == 0, done.stderr
+    assert np.load(out).shape == (300, 384)
+    assert_close(np.load(out)[-3:], alone(client, lines[-3:]))
+
+
+def test_csv_is_refused_with_what_to_give_instead(server, tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text('text\n"a quoted\nnewline"\n', encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(tmp_path / "v.npy"))
+    assert done.returncode == 2
+    assert "CSV is not read as columns" in done.stderr and "--jsonl" in done.stderr
+    assert not (tmp_path / "v.npy").exists()
+    assert "Traceback" not in done.stderr
+
+
+def sealed_job(server: ServerProcess, tmp_path: Path, jsonl: bool) -> tuple[Path, Path, dict[Path, bytes]]:
+    items = [{"id": f"doc-{i}", "text": t} for i, t in enumerate(corpus(6))]
+    path = tmp_path / "in.txt"
+    if jsonl:
+        path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    else:
+        path.write_text("".join(item["text"] + "\n" for item in items), encoding="utf-8")
+    out = tmp_path / "v.npy"
+    done = embed_file(server, str(path), "--out", str(out), *(["--jsonl"] if jsonl else []))
+    assert done.returncode == 0, done.stderr
+    return path, out, {f: f.read_bytes() for f in tmp_path.glob("v.*")}
+
+
+@pytest.mark.parametrize(
+    ("jsonl", "other", "flags", "message"),
+    [
+        (False, "one\ntwo\n", [], "in.txt: 2 records, but the output already holds 6 rows"),
+        (True, '{"id": "x", "text": "a"}\n' * 7, ["--jsonl"], "this output was made from another input"),
+        (True, "one\n" * 7, [], "made from JSONL input (its ids are in"),
+        (False, '{"id": "x", "text": "a"}\n' * 7, ["--jsonl"], "made from text input"),
+    ],
+)
+def test_a_refused_resume_leaves_a_finished_output_as_it_was(server, tmp_path, jsonl, other, flags, message):
+    path, out, before = sealed_job(server, tmp_path, jsonl)
+    path.write_text(other, encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume", *flags)
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr
+    assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
+    assert np.load(out).shape == (6, 384)  # still sealed: it loads

@@ -75,6 +75,18 @@ def test_embed_file_writes_rows_in_the_file_order(server, client, tmp_path):
     assert_close(vectors, alone)
 
 
+def test_a_lone_string_is_one_text_and_any_iterable_of_strings_is_accepted(client):
+    texts = ["A man is playing a guitar.", "Someone plays an instrument."]
+    want = client.embed(texts)
+    assert client.embed(texts[0]).shape == (1, 384)  # not one vector per character
+    assert_close(client.embed(texts[0]), want[:1])
+    assert_close(client.embed(np.array(texts)), want)  # `texts or []` raised on an array
+    assert_close(client.embed(t for t in texts), want)
+    assert len(client.tokenize(texts[0]).tokens) == 1
+    with pytest.raises(TypeError, match=r"texts\[1\] is NoneType, not str"):
+        client.embed([texts[0], None])
+
+
 def test_info_prints_the_model_and_limits(server):
     done = run_client("--address", server.address, "info")
     assert done.returncode == 0, done.stderr
