@@ -85,6 +85,12 @@ class Tokenizer:
         self._full.no_truncation()
 
     @property
+    def end_id(self) -> int | None:
+        """The special token the tokenizer ends every sequence with ([SEP] for BERT), or None."""
+        ids = self._full.encode("").ids  # the specials alone: [CLS] [SEP]
+        return int(ids[-1]) if ids else None
+
+    @property
     def vocab_size(self) -> int:
         return int(self._truncating.get_vocab_size(with_added_tokens=True))
 

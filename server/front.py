@@ -21,6 +21,7 @@ import os
 import platform
 import signal
 import socket
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -179,7 +180,7 @@ def create_front(
         request_bytes_budget(config.max_request_bytes_in_flight),
         tracer=tracer,
     )
-    service = EmbeddingService(embedder, pb.InfoResponse(), metrics, config.max_stream_in_flight)
+    service = EmbeddingService(embedder, metrics, config.max_stream_in_flight, config.max_message_bytes)
     token = load_token(config.auth_token, config.auth_token_file)
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
     interceptors += [BearerAuth(token, metrics)] if token else []
@@ -322,6 +323,8 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    if TERMINATED.is_set():  # SIGTERM came while the front was being built
+        stop.set()
     watch_process(place.engine_pid, engine_gone)
     parent = multiprocessing.parent_process()
     if parent is not None:
@@ -330,21 +333,34 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     starting = asyncio.create_task(start(front))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
-    if starting.done() and starting.exception() is None:
+    if starting.done() and not starting.cancelled() and starting.exception() is None:
         place.events.send(("serving", index, front.port))
         gc.collect()
         gc.freeze()  # what exists now lives as long as the process: the collector skips it from here on
         await stopping
+    elif starting.done() and not outcome["code"]:  # not the engine's end: a failure to start
+        reclaiming.cancel()
+        starting.result()  # raises it: run_front reports it to the supervisor
     starting.cancel()
     reclaiming.cancel()
-    await drain(front, ENGINE_GONE if outcome["code"] else "the server is shutting down")
-    if tracer is not None:
-        await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
+    try:
+        await drain(front, ENGINE_GONE if outcome["code"] else "the server is shutting down")
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
+    except Exception:  # logged here, not sent as a start-up failure: that would end the whole server
+        log.exception("front %d: the drain failed", index)
+        return 1
     return outcome["code"]
+
+
+# Set by a SIGTERM that comes before the front's event loop takes the signal over: the front then
+# drains as soon as it can (and exits 0), instead of dying of the signal's default action.
+TERMINATED = threading.Event()
 
 
 def run_front(config: ServerConfig, place: Place) -> None:
     """A front process's main (multiprocessing target)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: TERMINATED.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
     name_process(f"embed-front-{place.index}")
     configure_logging(config)

@@ -2,6 +2,7 @@
 
     POST /v1/embeddings   OpenAI's shapes: `input` a string, strings, or token ids; float or base64
     GET  /v1/models       the one model served
+    GET  /v1/models/{id}  that model, or 404 model_not_found
     GET  /health          200 while serving; 503 while warming up or draining (never needs the token)
 
 It shares everything with gRPC (one queue, one set of limits, one budget, the same vectors) because
@@ -30,7 +31,7 @@ import orjson
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -75,6 +76,10 @@ UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorizati
 INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
 _INT64 = 1 << 63
+KINDS = {
+    dict: "an object", list: "a list", str: "a string", type(None): "null",
+    bool: "a boolean", int: "an integer", float: "a number",
+}  # fmt: skip
 
 
 class InvalidField(InvalidInput):
@@ -113,11 +118,23 @@ def status_of(error: ServiceError) -> tuple[int, str]:
     return next(STATUS[cls] for cls in type(error).__mro__ if cls in STATUS)
 
 
+# Headers a refusal carries: when to try again (a full queue, a replica warming up or draining), and
+# how to authenticate (RFC 6750).
+RETRY_AFTER_S = 1
+HEADERS: dict[int, dict[str, str]] = {
+    401: {"WWW-Authenticate": "Bearer"},
+    429: {"Retry-After": str(RETRY_AFTER_S)},
+    503: {"Retry-After": str(RETRY_AFTER_S)},
+}
+
+
 def error_response(error: ServiceError) -> Response:
     status, kind = status_of(error)
     param = error.param if isinstance(error, InvalidField) else None
     body = {"message": str(error), "type": kind, "param": param, "code": error.code.name.lower()}
-    return json_response({"error": body}, status)
+    response = json_response({"error": body}, status)
+    response.headers.update(HEADERS.get(status, {}))
+    return response
 
 
 class HttpApi:
@@ -134,6 +151,7 @@ class HttpApi:
         routes = [
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
@@ -148,18 +166,32 @@ class HttpApi:
                 parsed = parse_embeddings(body, self.card)
                 job = dataclasses.replace(parsed.job, request_id=logs.current_request_id.get())
                 inputs[0] = job.count
-                embedded = await embed_while_connected(self.embedder, job, request, held)
+                try:
+                    embedded = await embed_while_connected(self.embedder, job, request, held)
+                except InvalidInput as e:  # a limit an input broke: OpenAI names the field
+                    raise InvalidField("input", str(e)) from None
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
         return await self._serve(EMBEDDINGS, request, embed, inputs)
 
     async def models(self, request: Request) -> Response:
         async def listing() -> Response:
-            card = self.card
-            model = {"id": card.id, "object": "model", "created": card.created, "owned_by": card.owned_by}
-            return json_response({"object": "list", "data": [model]})
+            return json_response({"object": "list", "data": [self._model()]})
 
         return await self._serve(MODELS, request, listing, [0])
+
+    async def model(self, request: Request) -> Response:
+        async def one() -> Response:
+            asked = request.path_params["model"]
+            if asked != self.card.id:
+                return _model_not_found(asked, self.card.id)
+            return json_response(self._model())
+
+        return await self._serve(MODELS, request, one, [0])
+
+    def _model(self) -> dict[str, Any]:
+        card = self.card
+        return {"id": card.id, "object": "model", "created": card.created, "owned_by": card.owned_by}
 
     async def health(self, request: Request) -> Response:
         readiness = self.embedder.readiness
@@ -217,6 +249,13 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return json_response({"error": error}, exc.status_code)
 
 
+def _model_not_found(asked: str, served: str) -> Response:
+    """OpenAI's answer for a model it does not have (a 404 the caller asked for, counted as OK)."""
+    message = f"The model `{asked}` does not exist; this server serves `{served}`"
+    error = {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    return json_response({"error": error}, 404)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) past `limit` bytes: by its Content-Length before reading any of it,
     else as soon as the bytes read pass the limit."""
@@ -224,12 +263,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the request body has {declared} bytes, over the limit max_message_bytes={limit}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(
-                f"the request body has more than {limit} bytes, over the limit max_message_bytes={limit}"
-            )
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise TooLarge(
+                    f"the request body has more than {limit} bytes, over the limit max_message_bytes={limit}"
+                )
+    except ClientDisconnect:  # gone mid-upload: the caller's doing, not a server failure
+        raise ClientGone("the client disconnected while sending its request") from None
     return bytes(body)
 
 
@@ -259,7 +301,7 @@ def parse_input(value: object) -> tuple[list[str], list[list[int]]]:
         raise InvalidField("input", "`input` is an empty list: send at least one input")
     if all(isinstance(v, str) for v in value):
         return value, []
-    if all(type(v) is int for v in value):
+    if all(isinstance(v, int | float) for v in value):  # one sequence of token ids
         return [], [_token_ids(value, 0)]
     if all(isinstance(v, list) for v in value):
         return [], [_token_ids(row, i) for i, row in enumerate(value)]
@@ -271,8 +313,14 @@ def parse_input(value: object) -> tuple[list[str], list[list[int]]]:
 
 
 def _token_ids(row: list[Any], i: int) -> list[int]:
-    if not all(type(t) is int and -_INT64 <= t < _INT64 for t in row):
-        raise InvalidField("input", f"input {i}: token ids must be integers")
+    """The row, if every item is an integer a token id could be; else which item is not, and what."""
+    for j, t in enumerate(row):
+        if type(t) is not int:
+            raise InvalidField(
+                "input", f"input {i}: token id at position {j} is {_kind(t)} {t!r}, not an integer"
+            )
+        if not -_INT64 <= t < _INT64:
+            raise InvalidField("input", f"input {i}: token id {t} at position {j} is outside the vocabulary")
     return row
 
 
@@ -294,9 +342,7 @@ def parse_format(value: object) -> bool:
 
 
 def _kind(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
+    return KINDS.get(type(value), type(value).__name__)
 
 
 async def embed_while_connected(

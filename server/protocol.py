@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+log = logging.getLogger(__name__)
 HELLO, SUBMIT, CANCEL, READY, RESULT = b"H", b"S", b"C", b"R", b"O"
 DRAIN_AT_MOST = 256  # messages handled per event-loop turn, so a flood never starves the loop
 OK = 0
@@ -174,7 +176,10 @@ class Channel:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.on_message(frames)
+            try:
+                self.on_message(frames)
+            except Exception:  # a bug in one message's handling: the edge must not be lost with it
+                log.exception("a message of %d frames could not be handled", len(frames))
         self._check()
 
     def close(self) -> None:

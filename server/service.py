@@ -24,7 +24,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
-from minilm_embed.server.errors import InvalidInput, ServiceError
+from minilm_embed.server.errors import InvalidInput, NotReady, ServiceError
 from minilm_embed.server.metrics import Metrics, size_class
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,13 @@ def parse(message: type[M], data: bytes) -> M:
 
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     def __init__(
-        self, embedder: Embedder, info: pb.InfoResponse, metrics: Metrics, max_stream_in_flight: int
+        self, embedder: Embedder, metrics: Metrics, max_stream_in_flight: int, max_message_bytes: int
     ) -> None:
         self.embedder = embedder
-        self.info = info
+        self.info: pb.InfoResponse | None = None  # set once the engine is warm (front.start)
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
+        self.max_message_bytes = max_message_bytes
         self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
@@ -69,6 +70,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
     async def Info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async def info(request: pb.InfoRequest, held: Hold) -> pb.InfoResponse:
+            if self.info is None:  # not an empty answer: a caller would read dimensions 0
+                raise NotReady("not serving: the model is warming up; retry")
             return self.info
 
         return await self._serve("Info", data, pb.InfoRequest, context, info)
@@ -83,8 +86,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         try:
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # grpc.aio closes the generator, or cancels it
             code = _cancelled_code(context)
+            raise
+        except Exception:
+            log.exception("EmbedStream failed")
+            code = grpc.StatusCode.INTERNAL
             raise
         finally:
             self._record("EmbedStream", code, started)
@@ -178,46 +185,58 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                 original_tokens_lower_bound=bool(prepared.lower_bound[i]),
             )
             tokens.append(pb.Tokens(ids=prepared.row(i).tolist(), usage=usage))
-        return pb.TokenizeResponse(tokens=tokens)
+        response = pb.TokenizeResponse(tokens=tokens)
+        if (size := response.ByteSize()) > self.max_message_bytes:  # gRPC would fail it, unexplained
+            raise InvalidInput(
+                f"the answer would be {size} bytes, over the limit max_message_bytes="
+                f"{self.max_message_bytes}: send fewer or shorter texts, or truncate=true"
+            )
+        return response
 
     async def _stream(
         self, requests: AsyncIterator[bytes], deadline: float | None
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
-        """Items run concurrently and are answered as they finish; at most N unanswered at once."""
+        """Items run concurrently and are answered as they finish; at most N items read and not yet
+        written back (an item's slot frees once gRPC has taken its answer, so a caller that sends
+        without reading makes the server stop reading, not hold answers without bound)."""
         slots = asyncio.Semaphore(self.max_stream_in_flight)
         answers: asyncio.Queue[pb.EmbedStreamResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
         async def answer(data: bytes, held: Hold) -> None:
             item_id = ""
-            with held:
-                try:
-                    item = parse(pb.EmbedStreamRequest, data)
-                    item_id = item.id
-                    response = await self._embed(item.request, deadline, held)
-                    await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
-                except ServiceError as e:
-                    await answers.put(_stream_error(item_id, e.code, str(e)))
-                except Exception:  # every item gets an answer, even after a bug
-                    log.exception("EmbedStream item failed")
-                    await answers.put(
-                        _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
-                    )
+            try:
+                item = parse(pb.EmbedStreamRequest, data)
+                item_id = item.id
+                response = await self._embed(item.request, deadline, held)
+                await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
+            except ServiceError as e:
+                await answers.put(_stream_error(item_id, e.code, str(e)))
+            except Exception:  # every item gets an answer, even after a bug
+                log.exception("EmbedStream item failed")
+                await answers.put(
+                    _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
+                )
 
-        def finished(task: asyncio.Task[None]) -> None:
-            tasks.discard(task)
-            slots.release()
+        def start(data: bytes, held: Hold) -> None:
+            task = asyncio.create_task(answer(data, held))
+            tasks.add(task)
+
+            # The hold is closed when the task is done, even one cancelled before its first step
+            # (its body never runs): a task that owned it could leak the front's request bytes.
+            def done(task: asyncio.Task[None]) -> None:
+                tasks.discard(task)
+                held.__exit__(None, None, None)
+
+            task.add_done_callback(done)
 
         async def read() -> None:
             try:
                 async for data in requests:
-                    await slots.acquire()  # stop reading while the stream has N items unanswered
+                    await slots.acquire()  # stop reading while the stream has N items unwritten
                     # A stream waits for room in the front's request bytes (reads no further)
                     # rather than refusing an item it could not name before parsing it.
-                    held = await self.embedder.request_bytes.wait_for(len(data))
-                    task = asyncio.create_task(answer(data, held))
-                    tasks.add(task)
-                    task.add_done_callback(finished)
+                    start(data, await self.embedder.request_bytes.wait_for(len(data)))
                 if tasks:
                     await asyncio.gather(*tasks)
             finally:
@@ -226,7 +245,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while (response := await answers.get()) is not None:
-                yield response
+                yield response  # returns once gRPC has taken it (flow control)
+                slots.release()
             await reader  # re-raises a failure of the reader
         finally:
             reader.cancel()
@@ -297,11 +317,17 @@ def _response(embedded: Embedded, fmt: int) -> pb.EmbedResponse:
     as_bytes = fmt == pb.EMBEDDING_FORMAT_FLOAT32_BYTES
     vectors = answer.vectors.astype("<f4", copy=False)
     usage = zip(
-        prepared.lengths.tolist(), prepared.truncated.tolist(), prepared.original.tolist(), strict=True
+        prepared.lengths.tolist(),
+        prepared.truncated.tolist(),
+        prepared.original.tolist(),
+        prepared.lower_bound.tolist(),
+        strict=True,
     )
     header = b"" if as_bytes else _packed_values_header(vectors.shape[1])
-    for vector, (tokens, cut, original) in zip(vectors, usage, strict=True):
-        u = pb.InputUsage(tokens=tokens, truncated=cut, original_tokens=original)
+    for vector, (tokens, cut, original, at_least) in zip(vectors, usage, strict=True):
+        u = pb.InputUsage(
+            tokens=tokens, truncated=cut, original_tokens=original, original_tokens_lower_bound=at_least
+        )
         if as_bytes:
             response.embeddings.add(float32_le=vector.tobytes(), usage=u)
         else:  # parsed from its wire form, packed little-endian floats: no Python float per value

@@ -50,6 +50,7 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.limits = limits
         self.vocab_size = tokenizer.vocab_size
+        self.end_id = tokenizer.end_id
 
     def check_count(self, count: int) -> None:
         if count == 0:
@@ -109,7 +110,7 @@ class RequestTokenizer:
                     f"input {i}: token id {ids[j]} at position {j} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-            rows.append(row[:limit])
+            rows.append(self._cut(row, limit))
         original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         lengths = np.minimum(original, limit).astype(np.int32)
         exact = np.zeros(len(sequences), dtype=bool)
@@ -117,6 +118,13 @@ class RequestTokenizer:
         if not truncate:
             self._refuse_long(prepared)
         return prepared
+
+    def _cut(self, row: np.ndarray, limit: int) -> np.ndarray:
+        """The first `limit` ids; a sequence that ends as the tokenizer ends one (Tokenize's ids with
+        truncate=false) keeps that end, as a text cut by the tokenizer does: [CLS] ... [SEP]."""
+        if row.size <= limit or self.end_id is None or row[-1] != self.end_id:
+            return row[:limit]
+        return np.concatenate([row[: limit - 1], row[-1:]])
 
     def _refuse_long(self, prepared: Prepared) -> None:
         for i in np.flatnonzero(prepared.truncated)[:1]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -139,6 +140,11 @@ def test_models_lists_the_served_model(server):
     assert [m.id for m in models] == ["sentence-transformers/all-MiniLM-L6-v2"]
     assert models[0].owned_by == "sentence-transformers"
     assert 1_600_000_000 < models[0].created <= time.time()
+    assert openai_client(server).models.retrieve(models[0].id) == models[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        openai_client(server).models.retrieve("text-embedding-3-small")
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert "`text-embedding-3-small` does not exist" in e.value.message
 
 
 # Errors: OpenAI's shape, the status matching gRPC's, the limit and the value named ------------------
@@ -147,12 +153,15 @@ def test_models_lists_the_served_model(server):
 @pytest.mark.parametrize(
     ("body", "param", "named"),
     [
-        ({"input": ["a"] * (MAX_INPUTS + 1)}, None, ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"]),
+        ({"input": ["a"] * (MAX_INPUTS + 1)}, "input", ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"]),
         ({"input": []}, "input", ["empty list"]),
-        ({"input": [""]}, None, ["input 0 is an empty string"]),
+        ({"input": [""]}, "input", ["input 0 is an empty string"]),
         ({"input": ["a", 7]}, "input", ["mixes"]),
-        ({"input": [[101, "x"]]}, "input", ["input 0", "integers"]),
-        ({"input": [[101, 999_999]]}, None, ["999999", "[0, 30522)"]),
+        ({"input": [[101, "x"]]}, "input", ["input 0", "position 1 is a string 'x', not an integer"]),
+        ({"input": [101, 1.0]}, "input", ["input 0", "position 1 is a number 1.0, not an integer"]),
+        ({"input": [[101], [True]]}, "input", ["input 1", "position 0 is a boolean True"]),
+        ({"input": [[101, 2**63]]}, "input", ["token id 9223372036854775808 at position 1", "vocabulary"]),
+        ({"input": [[101, 999_999]]}, "input", ["999999", "[0, 30522)"]),
         ({"input": {"text": "a"}}, "input", ["an object"]),
         ({"input": "a", "dimensions": 128}, "dimensions", ["128", f"{DIMENSIONS}"]),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format", ["'hex'", "float or base64"]),
@@ -205,6 +214,7 @@ def test_a_wrong_or_missing_token_gets_401_and_health_stays_open(server):
         )
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"  # RFC 6750
     assert httpx.get(server.http_url + "/health").status_code == 200
 
 
@@ -247,6 +257,26 @@ def test_metrics_count_http_calls_beside_grpc(server):
     assert metric(server, "embed_requests_in_flight") == 0
 
 
+def test_a_client_gone_mid_upload_is_counted_cancelled_not_a_server_error(server):
+    def count(code: str) -> float:
+        return metric(server, "embed_requests_total", method="http_embeddings", code=code)
+
+    before = {code: count(code) for code in ("CANCELLED", "INTERNAL")}
+    host, port = server.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = (
+            f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 10000\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b'{"input": "only part of the body')
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while count("CANCELLED") == before["CANCELLED"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count("CANCELLED") - before["CANCELLED"] == 1
+    assert count("INTERNAL") == before["INTERNAL"]  # it paged as a server error before
+
+
 # Overload and drain: one queue with gRPC, one drain ----------------------------------------------
 
 
@@ -272,6 +302,7 @@ def test_a_full_queue_is_refused_with_429_naming_the_limit(held_server, grpc_cli
     assert refused and answered and len(refused) + len(answered) == 30, outcomes
     assert all("queue_limit is 4" in e.message and e.status_code == 429 for e in refused)
     assert refused[0].body["code"] == "resource_exhausted"  # type: ignore[index]
+    assert all(e.response.headers["retry-after"] == "1" for e in refused)
     want = grpc_client.embed(texts)
     for response in answered:
         assert_close(np.array([d.embedding for d in response.data]), want)
@@ -321,6 +352,7 @@ def test_drain_answers_503_at_once_and_finishes_the_request_in_flight(held_serve
     assert health.json() == {"status": "not serving", "reason": "the server is shutting down"}
     assert isinstance(late, openai.InternalServerError), late
     assert late.status_code == 503 and "shutting down" in late.message
+    assert late.response.headers["retry-after"] == "1"
     response = outcome["response"]
     assert isinstance(response, httpx.Response) and response.status_code == 200
     vector = np.array([response.json()["data"][0]["embedding"]])

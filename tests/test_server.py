@@ -183,6 +183,19 @@ def test_token_ids_input_equals_text_input(client, reference):
     assert np.allclose(client.embed_ids(ids), client.embed(texts), atol=1e-6)
 
 
+def test_over_long_token_ids_are_cut_as_a_text_is_keeping_the_end_token(client):
+    """Tokenize's whole ids (truncate=false) of a 414-token text, sent as token_ids: cut to 256 as the
+    tokenizer cuts the text, [CLS] ... [SEP], not by a plain slice that drops [SEP]."""
+    whole = list(client.tokenize([LONG], truncate=False).tokens[0].ids)
+    assert len(whole) == 414 and whole[-1] == 102
+    response = client.embed_response(embed_request(token_ids=[whole]))
+    usage = response.embeddings[0].usage
+    assert (usage.tokens, usage.truncated, usage.original_tokens) == (256, True, 414)
+    assert np.allclose(to_array(response), client.embed([LONG]), atol=1e-6)
+    unended = whole[:-1]  # no end token: cut as given
+    assert not np.allclose(client.embed_ids([unended]), client.embed([LONG]), atol=1e-3)
+
+
 def test_order_is_kept_within_a_request_of_many_inputs(client, reference):
     # 64 inputs of 3 to 39 tokens in a shuffled order: batching regroups them by length.
     texts = [(SHORT + TINY)[i % 38] for i in np.random.default_rng(0).permutation(64)]
@@ -476,6 +489,7 @@ class Lifecycle:
         self.address = f"127.0.0.1:{self.port}"
         self.statuses: list[int] = []  # health of the service, in the order seen
         self.embed_while_warming: grpc.StatusCode | None = None
+        self.info_while_warming: grpc.StatusCode | None = None
         self.whole_server: int | None = None  # health of "" once the service said SERVING
 
     def watch_start(self, timeout: float = 120) -> None:
@@ -494,13 +508,15 @@ class Lifecycle:
                     continue  # not listening yet
                 self.statuses.append(answer.status)
                 if answer.status == not_serving and self.embed_while_warming is None:
-                    self.embed_while_warming = self._try_embed(stub)
+                    self.embed_while_warming = self._try(stub.Embed, embed_request(["too early"]))
+                    # Not an empty answer, which a client would read as 0 dimensions.
+                    self.info_while_warming = self._try(stub.Info, pb.InfoRequest())
             self.whole_server = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
     @staticmethod
-    def _try_embed(stub: pb_grpc.EmbeddingServiceStub) -> grpc.StatusCode:
+    def _try(method: grpc.UnaryUnaryMultiCallable, request: object) -> grpc.StatusCode:
         try:
-            stub.Embed(embed_request(["too early"]), timeout=5)
+            method(request, timeout=5)
         except grpc.RpcError as e:
             return e.code()
         return grpc.StatusCode.OK
@@ -523,6 +539,7 @@ def test_health_says_not_serving_until_warm_up_ends(lifecycle):
     assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen[-1] == serving and serving not in seen[:-1]
     assert lifecycle.embed_while_warming == grpc.StatusCode.UNAVAILABLE
+    assert lifecycle.info_while_warming == grpc.StatusCode.UNAVAILABLE
     assert lifecycle.whole_server == serving
 
 

@@ -1,8 +1,11 @@
 """The servicer's account of a cancelled call (the caller's deadline passing, or the caller cancelling),
-and the Embed response it builds from the engine's array."""
+the Embed response it builds from the engine's array, and what an EmbedStream holds. The streams run
+on a stand-in embedder that answers at once: what is measured is the servicer's own bookkeeping."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -10,8 +13,10 @@ import numpy as np
 import pytest
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.server.budget import request_bytes_budget
 from minilm_embed.server.embedder import Embedded
-from minilm_embed.server.service import DEADLINE_SLACK_S, _cancelled_code, _response
+from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.service import DEADLINE_SLACK_S, EmbeddingService, _cancelled_code, _response
 from minilm_embed.server.tokenization import Prepared
 from minilm_embed.server.transport import Answer
 
@@ -53,7 +58,7 @@ def test_the_floats_format_carries_every_value_exactly_and_encodes_as_protobuf_d
         np.ones(int(lengths.sum()), dtype=np.int32),
         np.array([False, True, False, False, True]),
         lengths.astype(np.int64) + 3,
-        np.zeros(rows, dtype=bool),
+        np.array([False, True, False, False, False]),  # input 1's count is of a prefix only
     )
     embedded = Embedded(Answer(vectors, 7, 5, 0.0, 0.0), prepared, 0.0, 0.0, 0.0)
 
@@ -74,4 +79,78 @@ def test_the_floats_format_carries_every_value_exactly_and_encodes_as_protobuf_d
     assert [(e.usage.tokens, e.usage.truncated, e.usage.original_tokens) for e in floats.embeddings] == [
         (1, False, 4), (2, True, 5), (3, False, 6), (4, False, 7), (5, True, 8)
     ]  # fmt: skip
+    for response in (floats, as_bytes):
+        assert [e.usage.original_tokens_lower_bound for e in response.embeddings] == [0, 1, 0, 0, 0]
     assert floats.dimensions == dimensions and floats.total_tokens == 15
+
+
+ITEM = pb.EmbedStreamRequest(id="a", request=pb.EmbedRequest(texts=["hi"])).SerializeToString()
+
+
+class InstantEmbedder:
+    """What EmbeddingService._stream uses of an Embedder; every input's vector is ready at once."""
+
+    def __init__(self) -> None:
+        self.request_bytes = request_bytes_budget(1 << 20)
+        self.tracer = None
+
+    async def embed(self, job, held) -> Embedded:
+        held.release()
+        n = len(job.texts)
+        ones = np.ones(n, dtype=np.int32)
+        prepared = Prepared(ones, ones, np.zeros(n, bool), ones.astype(np.int64), np.zeros(n, bool))
+        return Embedded(Answer(np.ones((n, 4), np.float32), 0, 0, 0.0, 0.0), prepared, 0.0, 0.0, 0.0)
+
+
+def stream_service(max_in_flight: int) -> tuple[EmbeddingService, InstantEmbedder]:
+    embedder = InstantEmbedder()
+    return EmbeddingService(embedder, Metrics(), max_in_flight, 1 << 21), embedder  # type: ignore[arg-type]
+
+
+def test_a_stream_cancelled_as_it_reads_an_item_gives_back_the_items_request_bytes():
+    """gRPC cancels the handler (the caller went away) in the same loop turn as the reader takes an
+    item: the item's task is cancelled before its first step, so its body never runs. Its bytes must
+    still go back to the front's budget, or unary calls are refused "front busy" for good."""
+    service, embedder = stream_service(64)
+
+    async def main() -> None:
+        consumer: asyncio.Future[pb.EmbedStreamResponse] | None = None
+
+        async def requests() -> AsyncIterator[bytes]:
+            await asyncio.sleep(0.05)
+            assert consumer is not None
+            consumer.cancel()
+            yield ITEM
+            await asyncio.sleep(3600)
+
+        consumer = asyncio.ensure_future(service._stream(requests(), None).__anext__())
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert (embedder.request_bytes.in_use, embedder.request_bytes.open) == (0, 0)
+
+
+def test_a_stream_whose_caller_does_not_read_stops_reading_its_items():
+    """Answers the caller has not taken count against --max-stream-in-flight: a caller that writes and
+    never reads makes the server stop reading, not pile up answers in its memory."""
+    service, _ = stream_service(4)
+    pulled = 0
+
+    async def main() -> None:
+        async def requests() -> AsyncIterator[bytes]:
+            nonlocal pulled
+            for _ in range(100):
+                pulled += 1
+                yield ITEM
+
+        answers = service._stream(requests(), None)
+        first = await answers.__anext__()  # one answer taken, then the caller reads no more
+        assert first.WhichOneof("result") == "response"
+        await asyncio.sleep(0.2)
+        assert pulled <= 4 + 1  # N unwritten, and the one read that waits for a slot
+        rest = [a async for a in answers]  # reading again lets the stream finish
+        assert len(rest) == 99
+
+    asyncio.run(main())
