@@ -102,6 +102,7 @@ class Request:
     sizes: list[int] = field(init=False)
     starts: list[int] = field(init=False)
     remaining: int = field(init=False)
+    queued: int = field(init=False)  # of its inputs, those in the queue and counted as waiting
     embeddings: np.ndarray | None = None
     pooled: np.ndarray | None = None
     queue_s: float = 0.0
@@ -110,7 +111,7 @@ class Request:
     def __post_init__(self) -> None:
         self.sizes = self.rows.lengths.tolist()
         self.starts = list(itertools.accumulate(self.sizes[:-1], initial=0))
-        self.remaining = len(self.sizes)
+        self.remaining = self.queued = len(self.sizes)
 
     @property
     def abandoned(self) -> bool:
@@ -213,6 +214,10 @@ class Batcher:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
     _running: int = 0  # batches in compute now
+    # Inputs waiting for their turn: those in the queue less those of requests already ended (their
+    # caller cancelled, or one of their inputs failed), which stay in the queue until its head
+    # reaches them and are dropped there, but hold no place in it: admission and depth count these.
+    _waiting: int = 0
 
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
@@ -236,12 +241,12 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        return self._waiting
 
     def check_capacity(self, count: int) -> None:
         """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
         try:
-            check_capacity(len(self._queue), count, self.limits.queue_limit)
+            check_capacity(self._waiting, count, self.limits.queue_limit)
         except Overloaded:
             self.metrics.refused.inc()
             raise
@@ -256,6 +261,8 @@ class Batcher:
         future = asyncio.get_running_loop().create_future()
         request = Request(rows, future, time.monotonic(), deadline, tag)
         self._queue.extend(zip(itertools.repeat(request), range(len(rows))))
+        self._waiting += len(rows)
+        future.add_done_callback(lambda _: self._ended(request))
         self._depth_changed()
         self._wakeup.set()
         return request
@@ -268,9 +275,16 @@ class Batcher:
         finally:
             request.future.cancel()
 
+    def _ended(self, request: Request) -> None:
+        """A request answered, failed or cancelled: its inputs still queued no longer wait."""
+        if request.queued:
+            self._waiting -= request.queued
+            request.queued = 0
+            self._depth_changed()
+
     def _depth_changed(self) -> None:
-        self.metrics.queue_depth.set(len(self._queue))
-        self.on_depth(len(self._queue))
+        self.metrics.queue_depth.set(self._waiting)
+        self.on_depth(self._waiting)
 
     async def _loop(self) -> None:
         """One worker: take the next batch whenever its previous one is done."""
@@ -346,8 +360,12 @@ class Batcher:
         )
         taken = set(chosen)
         self._queue[:size] = [e for i, e in enumerate(window) if i not in taken]  # the rest, in order
+        batch = [window[i] for i in chosen]
+        for request, _ in batch:  # live requests: an ended one's inputs are not chosen
+            request.queued -= 1
+        self._waiting -= len(batch)
         self._depth_changed()
-        return [window[i] for i in chosen]
+        return batch
 
     async def _run_batch(self, batch: list[Entry]) -> None:
         if not batch:

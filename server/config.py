@@ -39,7 +39,8 @@ class ServerConfig:
     # attention, so this bounds attention's waste when long and short inputs meet (0.3-1.0 ran
     # within noise on STS-B; a padded graph wanted 0.15).
     max_padding: float = 0.5
-    # How long the first input of a batch may wait for company before its batch runs anyway.
+    # How long the first input of a batch may wait for company before its batch runs anyway, while
+    # another batch computes (an idle instance runs a lone input at once).
     max_queue_delay_ms: float = 2.0
     max_inputs_per_request: int = 256
     max_text_chars: int = 100_000
@@ -97,6 +98,11 @@ class ServerConfig:
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}) must be at least "
                 f"max_message_bytes ({self.max_message_bytes}), or a largest request could never fit"
             )
+        for name in ("max_queue_delay_ms", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
+        if self.max_connection_age_s <= 0:
+            raise ValueError(f"max_connection_age_s must be more than 0, not {self.max_connection_age_s}")
         if self.front_processes < 0:
             raise ValueError(f"front_processes must be 0 (auto) or more, not {self.front_processes}")
         if self.model_instances < 0 or self.threads < 0:
@@ -128,7 +134,8 @@ _HELP = {
     "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
     "max_batch_size": "rows per batch",
     "max_padding": "largest share of padded tokens in a batch (0-1); inputs left out form the next batch",
-    "max_queue_delay_ms": "longest wait for a batch to fill before it runs",
+    "max_queue_delay_ms": "longest wait for a batch to fill while another batch computes (an idle "
+    "instance runs a lone input at once)",
     "max_inputs_per_request": "inputs in one Embed/Tokenize request",
     "max_text_chars": "characters in one text, checked before tokenization",
     "max_tokenizing_chars": (

@@ -79,8 +79,9 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
         # Closing connections at a maximum age makes clients re-resolve DNS and spread over new pods.
+        # No grace limit (gRPC's default: unlimited): the GOAWAY at that age stops new calls on the
+        # connection, and the calls open on it, a long EmbedStream too, end as they would have.
         ("grpc.max_connection_age_ms", age_ms),
-        ("grpc.max_connection_age_grace_ms", int(config.drain_timeout_s * 1000)),
         # Every front binds the same port; the supervisor holds it reserved (see app.py).
         ("grpc.so_reuseport", 1),
     ]

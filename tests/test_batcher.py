@@ -307,6 +307,35 @@ def test_inputs_of_a_cancelled_caller_are_dropped_before_compute():
     assert sample(batcher, "embed_queue_depth") == 0
 
 
+def test_inputs_of_a_cancelled_caller_give_back_their_queue_places_at_once():
+    """They stay in the queue until its head reaches them, but no longer count as waiting: after a
+    burst of timeouts, new work is not refused for a queue full of inputs nobody waits for."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, queue_limit=3)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)  # the model is busy: nothing leaves the queue
+            gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5], [4, 5]]))
+            await wait_until(lambda: batcher.depth == 3)
+            gone.cancel()
+            await wait_until(lambda: batcher.depth == 0)
+            assert sample(batcher, "embed_queue_depth") == 0
+            later = asyncio.create_task(submit(batcher, [[5, 5], [6, 5], [7, 5]]))  # refused before
+            await wait_until(lambda: batcher.depth == 3)
+            model.gate.set()
+            await running
+            return await later
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == [5, 6, 7]
+    assert not {2, 3, 4} & set(model.first_ids_seen())
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
 def test_a_failing_row_fails_only_its_own_request():
     model = FakeModel()
     batcher = new_batcher(model, max_queue_delay_s=0.05)

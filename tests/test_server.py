@@ -9,6 +9,7 @@ failures, and a lifecycle server for warm-up health and the SIGTERM drain.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import socket
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from minilm_embed.client.errors import InvalidInput
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.batcher import running_time
@@ -372,6 +374,40 @@ def test_embed_stream_answers_every_item_and_goes_on_after_a_bad_one(client, ref
     assert all(a.WhichOneof("result") == "response" for a in answers.values())
     got = np.concatenate([to_array(a.response) for a in answers.values()])
     assert_close(got, reference.embed([texts[k] for k in answers]))
+
+
+def test_a_stream_outlives_the_connections_maximum_age():
+    """At --max-connection-age-s the server sends GOAWAY: no new call on that connection, but an
+    EmbedStream open on it goes on (it was cut with UNAVAILABLE at age + drain timeout before)."""
+
+    async def stream_for(address: str, seconds: float) -> list[str]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(timeout=60)
+            ids = []
+            started = time.monotonic()
+            for i in itertools.count():
+                await call.write(pb.EmbedStreamRequest(id=str(i), request=embed_request([f"item {i}"])))
+                ids.append((await call.read()).id)
+                if time.monotonic() - started > seconds:
+                    break
+                await asyncio.sleep(0.2)
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+            return ids
+
+    with serving("--max-connection-age-s", "1", "--drain-timeout-s", "1") as server:
+        ids = asyncio.run(stream_for(server.address, 4.0))
+    assert ids == [str(i) for i in range(len(ids))] and len(ids) >= 10
+
+
+def test_a_tokenize_answer_over_the_message_limit_is_refused_naming_it():
+    """Every "!" is a token of two bytes in the answer: 90 kB of text asks for a 180 kB answer. gRPC
+    would fail it with "Sent message larger than max", counted OK and logged as a server error."""
+    with serving("--max-message-bytes", "150000") as server, EmbeddingClient(server.address) as c:
+        with pytest.raises(InvalidInput, match=r"over the limit max_message_bytes=150000") as e:
+            c.tokenize(["!" * 90_000], truncate=False)
+        assert "truncate=true" in e.value.details()
+        assert len(c.tokenize(["!" * 90_000]).tokens[0].ids) == 256  # cut, it fits
 
 
 def test_tokenize_matches_the_model_tokenizer(client, reference):

@@ -80,6 +80,9 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         ([], {"EMBED_MAX_BATCH_SIZE": "many"}, "EMBED_MAX_BATCH_SIZE"),
         # A stream with no room for one unanswered item would never answer anything.
         (["--max-stream-in-flight", "0"], {}, "max_stream_in_flight must be at least 1, not 0"),
+        (["--max-queue-delay-ms", "-1"], {}, "max_queue_delay_ms must be 0 or more, not -1.0"),
+        ([], {"EMBED_DRAIN_TIMEOUT_S": "-5"}, "drain_timeout_s must be 0 or more, not -5.0"),
+        (["--max-connection-age-s", "0"], {}, "max_connection_age_s must be more than 0, not 0.0"),
     ],
 )
 def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, message, capsys):
