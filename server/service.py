@@ -177,14 +177,14 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         prepared = await self.embedder.tokenize(list(request.texts), truncate)
         held.release()
         tokens = []
-        for i in range(len(prepared)):
+        for i, ids in enumerate(prepared.rows()):
             usage = pb.InputUsage(
                 tokens=int(prepared.lengths[i]),
                 truncated=bool(prepared.truncated[i]),
                 original_tokens=int(prepared.original[i]),
                 original_tokens_lower_bound=bool(prepared.lower_bound[i]),
             )
-            tokens.append(pb.Tokens(ids=prepared.row(i).tolist(), usage=usage))
+            tokens.append(pb.Tokens(ids=ids.tolist(), usage=usage))
         response = pb.TokenizeResponse(tokens=tokens)
         if (size := response.ByteSize()) > self.max_message_bytes:  # gRPC would fail it, unexplained
             raise InvalidInput(

@@ -28,9 +28,9 @@ class Prepared:
     def __len__(self) -> int:
         return int(self.lengths.size)
 
-    def row(self, i: int) -> np.ndarray:
-        start = int(self.lengths[:i].sum())
-        return self.ids[start : start + int(self.lengths[i])]
+    def rows(self) -> list[np.ndarray]:
+        """Each input's ids (views into `ids`), in order."""
+        return np.split(self.ids, np.cumsum(self.lengths)[:-1])
 
 
 @dataclass(frozen=True)
