@@ -10,7 +10,8 @@ all), serves /metrics summed over every process (prometheus_client's multiproces
 watches its children:
 - SIGTERM or SIGINT: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
   exit 0.
-- a front that dies is started again on the same port (capacity never shrinks silently);
+- a front that dies is started again on the same port (capacity never shrinks silently), after a
+  backoff that grows while it keeps dying, and counted (embed_front_restarts_total);
 - the engine dying: every front answers UNAVAILABLE at once and exits; the supervisor exits 1 so
   the orchestrator restarts the server.
 """
@@ -38,6 +39,7 @@ from minilm_embed.server.backend import usable_cores, wanted_providers
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.engine import BackendFactory, onnx_backend, run_engine
 from minilm_embed.server.front import Place, configure_logging, reuseport_socket, run_front
+from minilm_embed.server.metrics import SupervisorMetrics
 from minilm_embed.server.security import load_token, server_credentials
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,13 @@ FRONT_MALLOC = {"MALLOC_ARENA_MAX": "2"}
 # its first minute; with one arena it stayed flat, at the same throughput (the arena of ONNX
 # Runtime's own allocator keeps tensors off malloc).
 ENGINE_MALLOC = {"MALLOC_ARENA_MAX": "1"}
+# A dead front is started again after RESTART_FIRST_S, doubling up to RESTART_MAX_S while it keeps
+# dying: a front that dies at start-up, or on a request that clients keep retrying, must not spin
+# the supervisor and the engine's hello. Once a front has served for RESTART_RESET_S, its next death
+# is a new incident and waits RESTART_FIRST_S again.
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
 
 
 class StartupError(Exception):
@@ -62,7 +71,8 @@ class StartupError(Exception):
 
 
 def plan_fronts(config: ServerConfig, cores: int) -> int:
-    """Front processes: as set, or auto: on CUDA half the cores (at most 8), on the CPU one.
+    """Front processes: as set, or auto: on CUDA half the cores (at most 8), on the CPU one. `cores`
+    is what `usable_cores` says: a pod's CPU limit, not its node's cores.
 
     On the CPU provider the model's own cost dwarfs the front's, and the cores are the model's: a
     second front added little or lost on 2 cores (README, "Scaling across cores").
@@ -72,6 +82,14 @@ def plan_fronts(config: ServerConfig, cores: int) -> int:
     if wanted_providers(config.device)[0] == CUDA_PROVIDER:
         return max(1, min(8, cores // 2))
     return 1
+
+
+def restart_delay(previous: float, served_s: float) -> float:
+    """Seconds before a dead front starts again: RESTART_FIRST_S, then double the previous delay up to
+    RESTART_MAX_S, and RESTART_FIRST_S again for a front that served RESTART_RESET_S before it died."""
+    if previous <= 0.0 or served_s >= RESTART_RESET_S:
+        return RESTART_FIRST_S
+    return min(RESTART_MAX_S, 2.0 * previous)
 
 
 @contextmanager
@@ -104,6 +122,10 @@ class Supervisor:
     serving: set[int] = field(default_factory=set)
     facts: Any = None
     announced: bool = False
+    metrics: SupervisorMetrics = field(default_factory=SupervisorMetrics)
+    serving_since: dict[int, float] = field(default_factory=dict)  # front -> time.monotonic()
+    delays: dict[int, float] = field(default_factory=dict)  # front -> its last restart delay
+    restart_at: dict[int, float] = field(default_factory=dict)  # dead front -> when it starts again
 
     def __post_init__(self) -> None:
         self.engine_address = f"ipc://{self.run_dir}/engine.sock"
@@ -140,6 +162,7 @@ class Supervisor:
             self.facts = event[1]
         elif kind == "serving":
             self.serving.add(event[1])
+            self.serving_since[event[1]] = time.monotonic()
             if self.announced:  # a front started again after it died
                 log.info("front %d serving again", event[1])
         if not self.announced and self.facts is not None and len(self.serving) == self.fronts_wanted:
@@ -160,7 +183,7 @@ class Supervisor:
         assert self.engine is not None
         while True:
             fronts = {p.sentinel: i for i, p in self.fronts.items()}
-            ready = wait([wakeup, self.engine.sentinel, *fronts, *self.events])
+            ready = wait([wakeup, self.engine.sentinel, *fronts, *self.events], self._until_restart())
             for item in ready:
                 if item == wakeup:
                     os.read(wakeup, 512)
@@ -173,6 +196,7 @@ class Supervisor:
                     self._front_died(fronts[item])
             if stop:
                 return 0
+            self._restart_due()
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -183,20 +207,47 @@ class Supervisor:
         self.on_event(self.events[conn], event)
 
     def _front_died(self, index: int) -> None:
-        front = self.fronts[index]
+        """Schedule the front's restart after its backoff; until then it is out of `fronts`."""
+        front = self.fronts.pop(index)
+        front.join(STOP_MARGIN_S)  # reaped: its sentinel can close a moment before its exit code is set
+        now = time.monotonic()
+        served = now - self.serving_since.pop(index, now)
+        delay = self.delays[index] = restart_delay(self.delays.get(index, 0.0), served)
+        self.restart_at[index] = now + delay
         log.error(
-            "front %d (pid %s) exited with code %s: starting it again", index, front.pid, front.exitcode
+            "front %d (pid %s) exited with code %s after serving %.0fs: starting it again in %.1fs",
+            index,
+            front.pid,
+            front.exitcode,
+            served,
+            delay,
         )
         multiprocess.mark_process_dead(front.pid)
         self.serving.discard(index)
-        self.start_front(index)
+
+    def _until_restart(self) -> float | None:
+        """Seconds until the next scheduled restart (the longest `watch` may wait); None if none."""
+        if not self.restart_at:
+            return None
+        return max(0.0, min(self.restart_at.values()) - time.monotonic())
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for index in [i for i, at in self.restart_at.items() if at <= now]:
+            del self.restart_at[index]
+            self.metrics.front_restarts += 1
+            log.info("front %d: starting again (restart %d)", index, self.metrics.front_restarts)
+            self.start_front(index)
 
     def stop(self) -> int:
         """Drain every front, then stop the engine; the exit status for the server."""
         deadline = time.monotonic() + self.config.drain_timeout_s + STOP_MARGIN_S
         for front in self.fronts.values():
             _signal(front, signal.SIGTERM)
+        # A front still starting up (importing, before run_front's first line) dies of the SIGTERM
+        # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
+        codes = [0 if code == -signal.SIGTERM else code for code in codes]
         if self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
@@ -256,7 +307,7 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
         for index in range(supervisor.fronts_wanted):
             supervisor.start_front(index)
         if supervisor.config.metrics_address:
-            registry = scrape_registry(metrics_dir, supervisor.pids)
+            registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
             port = serve_metrics(registry, supervisor.config.metrics_address)
             log.info("metrics on :%d/metrics", port)
         if supervisor.http_address:

@@ -248,7 +248,7 @@ class Batcher:
         try:
             check_capacity(self._waiting, count, self.limits.queue_limit)
         except Overloaded:
-            self.metrics.refused.inc()
+            self.metrics.refusals.labels("queue").inc()
             raise
 
     def enqueue(self, rows: Rows, deadline: float | None = None, tag: str = "") -> Request:

@@ -79,7 +79,7 @@ class Embedder:
         try:
             return self.request_bytes.hold(size)
         except Overloaded:
-            self.metrics.refused.inc()
+            self.metrics.refusals.labels("request_bytes").inc()
             raise
 
     async def embed(self, job: EmbedJob, received: Hold | None = None) -> Embedded:
@@ -127,7 +127,7 @@ class Embedder:
         try:
             self.budget.reserve(cost)
         except Overloaded:
-            self.metrics.refused.inc()
+            self.metrics.refusals.labels("tokenizing").inc()
             raise
         try:
             if len(texts) == 1 and len(texts[0]) <= INLINE_TOKENIZE_CHARS and not whole:

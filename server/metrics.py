@@ -1,8 +1,9 @@
 """Every Prometheus metric the server exports, declared in one place.
 
 The server is several processes (fronts and an engine); each records into prometheus_client's
-multiprocess files, and the supervisor serves one /metrics summing them (`scrape_registry`): counters
-and histograms add up, each gauge says how it combines (`multiprocess_mode`). Outside a server (tests,
+multiprocess files, and the supervisor serves one /metrics summing them (`scrape_registry`), with its
+own count of front restarts beside them (`SupervisorMetrics`): counters and histograms add up, each
+gauge says how it combines (`multiprocess_mode`). Outside a server (tests,
 benchmarks) the same classes record in memory. The registry is injectable so tests get a fresh one.
 Names follow Prometheus practice: one prefix
 (`embed_`), base units (`_seconds`), `_total` on counters, `_info` for the model, no unbounded labels.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import prometheus_client as prom
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Sub-millisecond to a minute: a short text's model run is ~1 ms on a GPU; a queued burst of bulk
@@ -32,6 +33,11 @@ BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
 SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))
 LARGEST_CLASS = "65+"
+DROP_REASONS = ("deadline", "cancelled")
+# What refused a request at once: the engine's queue (--queue-limit), or one of a front's budgets:
+# bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
+# (--max-tokenizing-chars). The first says the model is saturated, the others the fronts.
+REFUSAL_REASONS = ("queue", "request_bytes", "tokenizing")
 
 
 def size_class(inputs: int) -> str:
@@ -96,8 +102,13 @@ class Metrics:
         self.in_flight = Gauge(
             "embed_requests_in_flight", "RPCs being served.", registry=r, multiprocess_mode="livesum"
         )
-        self.refused = Counter(
-            "embed_requests_refused", "Requests refused at once because the queue was full.", registry=r
+        # reason: "queue" (full; counted where admission is checked: the batcher, a front's engine
+        # client), "request_bytes" or "tokenizing" (a front's budgets, embedder.py).
+        self.refusals = Counter(
+            "embed_requests_refused",
+            "Requests refused at once (RESOURCE_EXHAUSTED), by the limit that refused them.",
+            ["reason"],
+            registry=r,
         )
         self.dropped = Counter(
             "embed_inputs_dropped",
@@ -130,8 +141,29 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",
         )
-        for reason in ("deadline", "cancelled"):
+        for reason in DROP_REASONS:
             self.dropped.labels(reason)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
+
+
+class SupervisorMetrics(Collector):
+    """The supervisor's own metrics, kept in its memory and served beside the children's sums.
+
+    The supervisor imports prometheus_client before the multiprocess directory exists, so a Counter of
+    its own would record in memory where MultiProcessCollector never looks (or, with the variable
+    already set, in the files too, and counted twice if also registered): a collector avoids both.
+    """
+
+    def __init__(self) -> None:
+        self.front_restarts = 0
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            "embed_front_restarts",
+            "Front processes started again after one died.",
+            value=self.front_restarts,
+        )
 
 
 class ProcessTreeCollector(Collector):
@@ -156,10 +188,14 @@ def _constant(pid: int) -> Callable[[], int]:
     return lambda: pid
 
 
-def scrape_registry(directory: Path, pids: Callable[[], Iterable[int]]) -> CollectorRegistry:
-    """What /metrics shows: every process's metric files summed, and the process tree's resources."""
+def scrape_registry(
+    directory: Path, pids: Callable[[], Iterable[int]], supervisor: SupervisorMetrics
+) -> CollectorRegistry:
+    """What /metrics shows: every process's metric files summed, the supervisor's own metrics, and the
+    process tree's resources."""
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(directory))
+    registry.register(supervisor)
     registry.register(ProcessTreeCollector(pids))
     prom.PlatformCollector(registry=registry)
     prom.GCCollector(registry=registry)

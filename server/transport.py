@@ -77,7 +77,7 @@ class EngineClient:
         try:
             check_capacity(int(self.depth.value), count, self.queue_limit)
         except Overloaded:
-            self.metrics.refused.inc()
+            self.metrics.refusals.labels("queue").inc()
             raise
 
     async def embed(

@@ -117,21 +117,28 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
             ],
         },
         {
-            "name": "EmbedHighErrorRatio: a quarter of the calls refused",
+            "name": "EmbedHighErrorRatio: a quarter of the calls failed inside the server, refusals aside",
             "interval": "1m",
             "input_series": [
                 series("embed_requests_total", {**target, "method": "Embed", "code": "OK"}, "0+30x20"),
+                series("embed_requests_total", {**target, "method": "Embed", "code": "INTERNAL"}, "0+10x20"),
+                # Back-pressure and a caller's wrong token: not the server failing, not in the ratio.
                 series(
                     "embed_requests_total",
                     {**target, "method": "Embed", "code": "RESOURCE_EXHAUSTED"},
-                    "0+10x20",
+                    "0+40x20",
+                ),
+                series(
+                    "embed_requests_total",
+                    {**target, "method": "http_embeddings", "code": "UNAUTHENTICATED"},
+                    "0+40x20",
                 ),
             ],
             "alert_rule_test": [
                 {
                     "eval_time": "15m",
                     "alertname": "EmbedHighErrorRatio",
-                    "exp_alerts": [expect("EmbedHighErrorRatio", {"severity": "critical", **job}, "25%")],
+                    "exp_alerts": [expect("EmbedHighErrorRatio", {"severity": "critical", **job}, "8.333%")],
                 }
             ],
         },
@@ -171,9 +178,12 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
             ],
         },
         {
-            "name": "EmbedQueueSaturated: one pod refuses calls",
+            "name": "EmbedQueueSaturated: one pod's queue refuses calls",
             "interval": "1m",
-            "input_series": [series("embed_requests_refused_total", target, "0+30x20")],
+            "input_series": [
+                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0+30x20"),
+                series("embed_requests_refused_total", {**target, "reason": "tokenizing"}, "0x20"),
+            ],
             "alert_rule_test": [
                 {
                     "eval_time": "15m",
@@ -188,6 +198,56 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
                                 "pod": target["pod"],
                             },
                             "500m",
+                        )
+                    ],
+                }
+            ],
+        },
+        {
+            "name": "EmbedFrontSaturated: one pod's fronts refuse calls at their request-bytes budget",
+            "interval": "1m",
+            "input_series": [
+                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0x20"),
+                series("embed_requests_refused_total", {**target, "reason": "request_bytes"}, "0+30x20"),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "15m",
+                    "alertname": "EmbedFrontSaturated",
+                    "exp_alerts": [
+                        expect(
+                            "EmbedFrontSaturated",
+                            {
+                                "severity": "warning",
+                                **job,
+                                "instance": target["instance"],
+                                "pod": target["pod"],
+                                "reason": "request_bytes",
+                            },
+                            "500m",
+                        )
+                    ],
+                }
+            ],
+        },
+        {
+            "name": "EmbedFrontRestarting: one pod's fronts restarted three times in 15 minutes",
+            "interval": "1m",
+            "input_series": [series("embed_front_restarts_total", target, "0x10 1 1 2 2 3x10")],
+            "alert_rule_test": [
+                {
+                    "eval_time": "15m",
+                    "alertname": "EmbedFrontRestarting",
+                    "exp_alerts": [
+                        expect(
+                            "EmbedFrontRestarting",
+                            {
+                                "severity": "warning",
+                                **job,
+                                "instance": target["instance"],
+                                "pod": target["pod"],
+                            },
+                            "3",
                         )
                     ],
                 }

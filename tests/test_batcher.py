@@ -227,7 +227,7 @@ def test_full_queue_refuses_at_once():
             await wait_until(lambda: batcher.depth == 3)
             with pytest.raises(Overloaded, match="queue_limit is 3"):
                 await asyncio.wait_for(submit(batcher, [[5, 5]]), 1.0)  # would block if queued
-            assert sample(batcher, "embed_requests_refused_total") == 1
+            assert sample(batcher, "embed_requests_refused_total", reason="queue") == 1
             model.gate.set()
             return await running, await queued
         finally:
@@ -254,7 +254,7 @@ def test_more_inputs_than_the_whole_queue_holds_are_invalid_not_overload():
 
     run(scenario)
     assert model.batches == []  # retrying could never help, so it is not a RESOURCE_EXHAUSTED
-    assert sample(batcher, "embed_requests_refused_total") == 0
+    assert sample(batcher, "embed_requests_refused_total", reason="queue") == 0
 
 
 def test_input_whose_deadline_passed_in_the_queue_is_dropped_before_compute():

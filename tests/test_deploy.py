@@ -7,6 +7,7 @@ here against a real server, with the image's paths mapped onto this checkout.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -27,6 +28,9 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from minilm_embed.server import backend
+from minilm_embed.server.app import plan_fronts
+from minilm_embed.server.backend import cgroup_cpus, usable_cores
 from minilm_embed.server.config import ServerConfig, env_name, load_config
 from minilm_embed.server.health import SERVICE_NAME
 from minilm_embed.server.metrics import Metrics
@@ -392,6 +396,66 @@ def test_flags_configmap_is_a_valid_server_config(overlay: str, manifests: dict[
     assert port(config.metrics_address) in [
         p["containerPort"] for p in server_container(manifests[overlay])["ports"]
     ]
+
+
+def cpus(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("2", "500m") in CPUs."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_front_processes_are_set_for_the_cpus_the_pod_requests(
+    overlay: str, manifests: dict[str, list[Resource]]
+) -> None:
+    """Auto sizes the fronts from the cores the server sees: the node's, where the pod has no CPU limit
+    (the gpu overlay). Each overlay sets what auto would pick on exactly the CPUs it requests."""
+    docs = manifests[overlay]
+    config = load_config([], flags(docs))
+    assert config.front_processes > 0, "EMBED_FRONT_PROCESSES is auto: it would follow the node's cores"
+    requested = int(cpus(server_container(docs)["resources"]["requests"]["cpu"]))
+    assert config.front_processes == plan_fronts(dataclasses.replace(config, front_processes=0), requested)
+
+
+def fake_cgroup(tmp_path: Path, cpu_max: dict[str, str], own: str = "/kubepods/pod1/server") -> Path:
+    """A cgroup v2 tree under tmp_path/cgroup with `cpu.max` files ({directory: content}) and a
+    /proc/self/cgroup naming `own`; returns that file."""
+    for directory, content in cpu_max.items():
+        (tmp_path / "cgroup" / directory).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cgroup" / directory / "cpu.max").write_text(content + "\n")
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(f"0::{own}\n")
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "cpus_allowed"),
+    [
+        ({"kubepods/pod1/server": "200000 100000", "kubepods/pod1": "max 100000"}, 2),  # the container's
+        ({"kubepods/pod1/server": "max 100000", "kubepods/pod1": "150000 100000"}, 2),  # the pod's, up
+        ({"kubepods/pod1/server": "50000 100000", "kubepods/pod1": "400000 100000"}, 1),  # the tightest
+        ({"": "300000 100000"}, 3),  # the root: the container's own cgroup in a cgroup namespace
+        ({"kubepods/pod1/server": "max 100000"}, None),  # no limit
+        ({"kubepods/pod1/server": "garbage"}, None),
+        ({}, None),  # no cpu controller
+    ],
+)
+def test_the_cgroup_cpu_quota_is_read_from_cpu_max(
+    tmp_path: Path, cpu_max: dict[str, str], cpus_allowed: int | None
+) -> None:
+    assert cgroup_cpus(tmp_path / "cgroup", fake_cgroup(tmp_path, cpu_max)) == cpus_allowed
+
+
+def test_auto_fronts_follow_the_pods_cpu_limit_not_the_nodes_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 64-core node: the pod may run on any core.
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(64)))
+    cuda = ServerConfig(device="cuda")
+    limited = fake_cgroup(tmp_path, {"kubepods/pod1/server": "200000 100000"})
+    assert plan_fronts(cuda, usable_cores(tmp_path / "cgroup", limited)) == 1
+    unlimited = fake_cgroup(tmp_path / "other", {"kubepods/pod1/server": "max 100000"})
+    assert plan_fronts(cuda, usable_cores(tmp_path / "other" / "cgroup", unlimited)) == 8
+    assert cgroup_cpus(tmp_path / "cgroup", tmp_path / "no-such-file") is None  # no cgroup v2 at all
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -145,6 +145,17 @@ def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model
         process.stop()
 
 
+@pytest.mark.parametrize("after_s", [0.3, 0.8, 1.5])
+def test_sigterm_while_the_server_starts_up_stops_it_cleanly(after_s):
+    """A rollout may stop a pod the moment it started: fronts still importing, building, or waiting
+    for the engine. Exit 0, not 1 (a front killed by the signal's default action read as a crash)."""
+    process = start_server("--front-processes", str(FRONTS))
+    time.sleep(after_s)
+    process.terminate()
+    assert process.wait(60) == 0, "".join(process.lines[-20:])
+    assert "Traceback" not in "".join(process.lines)
+
+
 def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(reference):
     process = start_server("--front-processes", str(FRONTS)).wait_serving()
     texts = [SHORT[i % len(SHORT)] for i in range(64)]

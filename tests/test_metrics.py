@@ -1,6 +1,6 @@
-"""Metrics: names, types and bounded labels on a fresh registry; the batcher moves the counters an operator
-reads (padding, refusals, drops); a live scrape of a real server has every family and passes `promtool
-check metrics`.
+"""Metrics: names, types and bounded labels on a fresh registry; the batcher and the front's budgets move
+the counters an operator reads (padding, refusals by reason, drops); a live scrape of a real server has
+every family and passes `promtool check metrics`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from prometheus_client.samples import Sample
 from minilm_embed.client.client import EmbeddingClient, embed_request
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows
+from minilm_embed.server.budget import request_bytes_budget, tokenizing_budget
+from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.errors import Dropped, Overloaded
 from minilm_embed.server.http import METHODS as HTTP_METHODS
-from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.metrics import DROP_REASONS, REFUSAL_REASONS, Metrics, SupervisorMetrics
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server
 
@@ -54,7 +56,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_batch_padded_tokens": ("histogram", set()),
     "embed_queue_depth": ("gauge", set()),
     "embed_requests_in_flight": ("gauge", set()),
-    "embed_requests_refused": ("counter", set()),
+    "embed_requests_refused": ("counter", {"reason"}),
     "embed_inputs_dropped": ("counter", {"reason"}),
     "embed_inputs_truncated": ("counter", set()),
     "embed_batch_failures": ("counter", set()),
@@ -62,6 +64,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_model_load_seconds": ("gauge", set()),
     "embed_model_warmup_seconds": ("gauge", set()),
     "embed_ready": ("gauge", set()),
+    "embed_front_restarts": ("counter", set()),  # the supervisor's own (SupervisorMetrics)
 }
 DEFAULT_COLLECTOR_SAMPLES = (
     "process_cpu_seconds_total",
@@ -75,7 +78,7 @@ METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].me
 BOUNDED = {
     "method": METHODS,
     "code": {c.name for c in grpc.StatusCode},
-    "reason": {"deadline", "cancelled"},
+    "reason": set(DROP_REASONS) | set(REFUSAL_REASONS),
     "size": {"0", "1", "2-8", "9-64", "65+"},
 }
 
@@ -86,8 +89,10 @@ def exposed_name(name: str, kind: str) -> str:
 
 
 def exercised_metrics() -> Metrics:
-    """Fresh metrics with one child of each labelled family, so every family has samples."""
+    """Fresh metrics with one child of each labelled family, so every family has samples; and the
+    supervisor's, as /metrics serves them together."""
     m = Metrics(CollectorRegistry())
+    m.registry.register(SupervisorMetrics())
     m.requests.labels("Embed", "OK").inc()
     m.request_duration.labels("Embed", "1").observe(0.01)
     m.model.labels("m", "0" * 64, "fp32", "CPUExecutionProvider").set(1)
@@ -135,15 +140,53 @@ def test_latency_buckets_span_sub_millisecond_to_seconds() -> None:
 
 def test_registries_are_independent() -> None:
     a, b = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
-    a.refused.inc(3)
-    assert a.registry.get_sample_value("embed_requests_refused_total") == 3
-    assert b.registry.get_sample_value("embed_requests_refused_total") == 0
+    a.refusals.labels("queue").inc(3)
+    assert a.registry.get_sample_value("embed_requests_refused_total", {"reason": "queue"}) == 3
+    assert b.registry.get_sample_value("embed_requests_refused_total", {"reason": "queue"}) == 0
 
 
-def test_dropped_reasons_are_exported_at_zero_before_any_drop() -> None:
+def test_dropped_and_refused_reasons_are_exported_at_zero_before_any_drop_or_refusal() -> None:
     m = Metrics(CollectorRegistry())
-    for reason in BOUNDED["reason"]:
+    for reason in DROP_REASONS:
         assert m.registry.get_sample_value("embed_inputs_dropped_total", {"reason": reason}) == 0
+    for reason in REFUSAL_REASONS:
+        assert m.registry.get_sample_value("embed_requests_refused_total", {"reason": reason}) == 0
+
+
+def test_the_supervisor_counts_front_restarts_from_zero() -> None:
+    registry = CollectorRegistry()
+    supervisor = SupervisorMetrics()
+    registry.register(supervisor)
+    assert registry.get_sample_value("embed_front_restarts_total") == 0
+    supervisor.front_restarts += 2
+    assert registry.get_sample_value("embed_front_restarts_total") == 2
+
+
+class _Checked:
+    """The tokenizer's checks, passing: only the budgets are under test."""
+
+    def check_texts(self, texts: list[str]) -> None:
+        pass
+
+
+def budget_embedder(metrics: Metrics) -> Embedder:
+    """An Embedder with small budgets (100 characters being tokenized, 100 bytes of requests); the
+    tokenizer and engine are never reached by the refusals tested."""
+    budgets = tokenizing_budget(100), request_bytes_budget(100)
+    return Embedder(_Checked(), None, metrics, None, *budgets)  # type: ignore[arg-type]
+
+
+def test_a_fronts_budgets_count_their_refusals_by_reason_not_as_a_full_queue() -> None:
+    m = Metrics(CollectorRegistry())
+    embedder = budget_embedder(m)
+    with embedder.receiving(60), pytest.raises(Overloaded, match="max_request_bytes_in_flight"):
+        embedder.receiving(60)
+    embedder.budget.reserve(60)  # another request's texts being tokenized
+    with pytest.raises(Overloaded, match="max_tokenizing_chars"):
+        asyncio.run(embedder.tokenize(["x" * 60], truncate=True))
+    assert value(m, "embed_requests_refused_total", reason="request_bytes") == 1
+    assert value(m, "embed_requests_refused_total", reason="tokenizing") == 1
+    assert value(m, "embed_requests_refused_total", reason="queue") == 0
 
 
 def test_docs_describe_every_exported_metric() -> None:
@@ -228,7 +271,7 @@ def test_a_full_queue_is_refused_and_counted_without_compute() -> None:
         await asyncio.gather(first, waiting)
 
     m = run_with_batcher(run, scenario, queue_limit=2)
-    assert value(m, "embed_requests_refused_total") == 1
+    assert value(m, "embed_requests_refused_total", reason="queue") == 1
     assert value(m, "embed_inputs_total") == 3  # the refused input was never computed
 
 

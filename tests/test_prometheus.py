@@ -301,13 +301,24 @@ def test_padding_ratio_lies_between_0_and_1(prometheus: Prometheus, provoked: Pr
     prometheus.wait_for(f'job:embed_padding:ratio_rate5m{{job="{JOB}"}}', in_unit_interval)
 
 
-def test_refusals_are_counted_when_the_queue_is_full(prometheus: Prometheus, provoked: Provoked) -> None:
+def test_refusals_are_counted_as_the_queues_when_the_queue_is_full(
+    prometheus: Prometheus, provoked: Provoked
+) -> None:
     assert provoked.refused > 0
-    prometheus.wait_for("embed_requests_refused_total", lambda v: v == [provoked.refused])
+    queue = 'embed_requests_refused_total{reason="queue"}'
+    prometheus.wait_for(queue, lambda v: v == [provoked.refused])
+    # The fronts' budgets refused none of them: each reason is exported, the others at 0.
+    prometheus.wait_for("embed_requests_refused_total", lambda v: sorted(v) == [0, 0, provoked.refused])
     prometheus.wait_for(
         'sum(embed_requests_total{code="RESOURCE_EXHAUSTED"})', lambda v: v == [provoked.refused]
     )
-    prometheus.wait_for("increase(embed_requests_refused_total[5m])", positive)
+    prometheus.wait_for(f"increase({queue}[5m])", positive)
+    prometheus.wait_for(f'job_reason:embed_requests_refused:rate5m{{job="{JOB}", reason="queue"}}', positive)
+
+
+def test_no_front_restarted_and_the_counter_says_so(prometheus: Prometheus, provoked: Provoked) -> None:
+    prometheus.wait_for("embed_front_restarts_total", lambda v: v == [0])
+    prometheus.wait_for(f'job:embed_front_restarts:increase15m{{job="{JOB}"}}', lambda v: v == [0])
 
 
 def test_expired_deadlines_are_counted_as_dropped_inputs(prometheus: Prometheus, provoked: Provoked) -> None:
@@ -326,7 +337,12 @@ def test_every_rule_is_loaded_and_evaluates(prometheus: Prometheus, provoked: Pr
     recorded = sorted(r["name"] for r in rules if r["type"] == "recording")
     alerts = {r["name"] for r in rules if r["type"] == "alerting"}
     assert {"EmbedServerDown", "EmbedHighErrorRatio", "EmbedLatencyP99High"} <= alerts
-    assert {"EmbedQueueSaturated", "EmbedCpuFallback"} <= alerts
+    assert {
+        "EmbedQueueSaturated",
+        "EmbedFrontSaturated",
+        "EmbedFrontRestarting",
+        "EmbedCpuFallback",
+    } <= alerts
     for name in recorded:  # the load provoked every case, so each rule has a sample
         prometheus.wait_for(f'{name}{{job="{JOB}"}}', lambda v: any(not math.isnan(x) for x in v))
 

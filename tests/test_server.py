@@ -462,7 +462,7 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     for o in outcomes:
         if status(o) == grpc.StatusCode.OK:
             assert_close(to_array(o), reference.embed(texts))
-    assert metric(tiny_queue_server, "embed_requests_refused_total") == len(refused)
+    assert metric(tiny_queue_server, "embed_requests_refused_total", reason="queue") == len(refused)
     assert metric(tiny_queue_server, "embed_queue_depth") == 0
     with EmbeddingClient(tiny_queue_server.address, timeout=30) as c:
         assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving

@@ -29,6 +29,10 @@ class Scrape:
     def dropped(self, reason: str) -> float:
         return self.value("embed_inputs_dropped_total", reason=reason)
 
+    def refused(self) -> float:
+        """Requests refused at once, whatever the reason (the queue, a front's budgets)."""
+        return sum(v for (name, _), v in self.samples.items() if name == "embed_requests_refused_total")
+
     def __sub__(self, before: Scrape) -> Scrape:
         """Counter increases since `before` (gauges come out as differences too: read those alone)."""
         keys = self.samples.keys() | before.samples.keys()

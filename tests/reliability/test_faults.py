@@ -200,7 +200,7 @@ def test_a_burst_of_ten_times_the_queue_limit_is_refused_at_once_beyond_it(
         **seen,
         refused_median_s=round(statistics.median(s for _, s in refused), 3),
         answered_median_s=round(statistics.median(s for _, s in answered), 3),
-        refused_counted=delta.value("embed_requests_refused_total"),
+        refused_counted=delta.refused(),
     )
     assert set(seen) == {"OK", "RESOURCE_EXHAUSTED"}, seen
     assert seen["OK"] >= QUEUE_LIMIT // 4  # at least a full queue was admitted
@@ -208,7 +208,7 @@ def test_a_burst_of_ten_times_the_queue_limit_is_refused_at_once_beyond_it(
     for (o, _), texts in zip(results, requests, strict=True):
         if code(o) == "OK":
             assert_correct(references, texts, o)
-    assert delta.value("embed_requests_refused_total") == seen["RESOURCE_EXHAUSTED"]
+    assert delta.refused() == seen["RESOURCE_EXHAUSTED"]
     assert delta.requests("RESOURCE_EXHAUSTED") == seen["RESOURCE_EXHAUSTED"]
     assert delta.requests("OK") == seen["OK"]
     assert delta.value("embed_inputs_total") == 4 * seen["OK"]
@@ -310,5 +310,5 @@ def test_a_replica_killed_under_load_costs_round_robin_callers_nothing(
     assert abs(answered_a - last_a.requests("OK")) <= in_flight_a
     refused_a = seen["RESOURCE_EXHAUSTED"] - final_b.requests("RESOURCE_EXHAUSTED")
     assert abs(refused_a - last_a.requests("RESOURCE_EXHAUSTED")) <= in_flight_a
-    assert final_b.requests("RESOURCE_EXHAUSTED") == final_b.value("embed_requests_refused_total")
+    assert final_b.requests("RESOURCE_EXHAUSTED") == final_b.refused()
     assert_keeps_serving(b, references, sentences[:2])

@@ -1,0 +1,88 @@
+"""A front process that dies is started again after a backoff that grows while it keeps dying, and
+`embed_front_restarts_total` counts each restart: a real server, its front killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.server.app import RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S, restart_delay
+from tests.reference import Reference
+from tests.server_process import ServerProcess, serving, wait_for
+
+SENTENCE = "A man is playing a guitar."
+
+
+def restarts(server: ServerProcess) -> float:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    values = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "embed_front_restarts_total"
+    ]
+    assert len(values) == 1, values
+    return values[0]
+
+
+def kill_the_front(server: ServerProcess) -> tuple[int, float]:
+    """SIGKILL the server's one front once it serves; returns its pid and when it was killed."""
+    assert wait_for(lambda: len(server.front_pids()) == 1, timeout=60), server.front_pids()
+    (pid,) = server.front_pids()
+    os.kill(pid, signal.SIGKILL)
+    return pid, time.monotonic()
+
+
+def wait_for_a_new_front(server: ServerProcess, dead: int) -> float:
+    """Seconds until a front other than `dead` runs (polled every 20 ms)."""
+    started = time.monotonic()
+    back = wait_for(lambda: [p for p in server.front_pids() if p != dead], timeout=60, interval=0.02)
+    assert back, "".join(server.lines[-10:])
+    return time.monotonic() - started
+
+
+def served_again(server: ServerProcess, times: int) -> bool:
+    return wait_for(lambda: sum("serving again" in line for line in server.lines) >= times, timeout=60)
+
+
+def test_the_restart_delay_doubles_to_its_cap_and_starts_over_after_a_front_served_a_while() -> None:
+    delays = [restart_delay(0.0, 0.0)]
+    while delays[-1] < RESTART_MAX_S:
+        delays.append(restart_delay(delays[-1], served_s=1.0))
+    assert delays[:4] == [RESTART_FIRST_S, 2 * RESTART_FIRST_S, 4 * RESTART_FIRST_S, 8 * RESTART_FIRST_S]
+    assert delays[-1] == RESTART_MAX_S == restart_delay(RESTART_MAX_S, served_s=1.0)
+    assert restart_delay(RESTART_MAX_S, served_s=RESTART_RESET_S) == RESTART_FIRST_S
+
+
+def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(model_dir: Path) -> None:
+    with serving("--front-processes", "1") as server:
+        assert restarts(server) == 0
+        first, _ = kill_the_front(server)
+        wait_for_a_new_front(server, first)
+        assert served_again(server, 1), "".join(server.lines[-10:])
+        assert restarts(server) == 1
+        # Dead again within a minute of serving: twice the first delay before it is started again.
+        second, _ = kill_the_front(server)
+        waited = wait_for_a_new_front(server, second)
+        assert waited >= 2 * RESTART_FIRST_S - 0.1, f"started again after {waited:.2f}s"
+        assert served_again(server, 2), "".join(server.lines[-10:])
+        assert restarts(server) == 2
+        delays = [
+            float(m.group(1))
+            for line in server.lines
+            if (m := re.search(r"starting it again in ([\d.]+)s", line))
+        ]
+        assert delays == [RESTART_FIRST_S, 2 * RESTART_FIRST_S]
+        with EmbeddingClient(server.address, timeout=60) as client:
+            vector = client.embed([SENTENCE])
+        assert np.dot(vector[0], Reference(model_dir).embed([SENTENCE])[0]) >= 0.99999
