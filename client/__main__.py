@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -161,12 +162,37 @@ def served(info: pb.InfoResponse) -> bulk.Served:
     )
 
 
+class RetryNotice:
+    """A line on stderr when refusals start, then at most one every NOTICE_EVERY_S: a server that is
+    busy, warming up or unreachable is said, not left to look like a job that hangs."""
+
+    NOTICE_EVERY_S = 30.0
+
+    def __init__(self, address: str, backoff: bulk.Backoff) -> None:
+        self.address = address
+        self.backoff = backoff
+        self.count = 0
+        self.said_at = -self.NOTICE_EVERY_S
+
+    def __call__(self, error: grpc.RpcError) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.said_at >= self.NOTICE_EVERY_S:
+            self.said_at = now
+            print(
+                f"client: {self.address}: {error.code().name}: {error.details()}; retrying each request "
+                f"for up to {self.backoff.for_s:.0f} s (--retry-for); {self.count} retried so far",
+                file=sys.stderr,
+            )
+
+
 async def embed_file(job: bulk.Job, address: str, timeout: float, security: Security) -> bulk.Stats:
+    notice = RetryNotice(address, job.backoff)
     async with AsyncEmbeddingClient(address, timeout, security) as c:
         # A server still warming up (UNAVAILABLE) is waited for, as a refused request would be.
-        server = served(await bulk.with_retries(c.info, job.backoff, bulk.Stats()))
+        info = await bulk.with_retries(c.info, job.backoff, bulk.Stats(on_retry=notice))
         with progress() as update:
-            return await bulk.run_job(job, c, server, update)
+            return await bulk.run_job(job, c, served(info), update, notice)
 
 
 def plural(n: int, noun: str) -> str:

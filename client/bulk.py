@@ -239,11 +239,6 @@ class NpySink:
     def header_size(self) -> int:
         return len(npy_header(0, self.dims))
 
-    @property
-    def ids_beside(self) -> Path:
-        """Where a JSONL job's ids go, whether or not this job keeps ids."""
-        return self.path.with_name(self.path.stem + IDS_SUFFIX)
-
     def inspect(self) -> Written:
         with self.path.open("rb") as f:
             head = f.read(self.header_size)
@@ -257,9 +252,9 @@ class NpySink:
             raise OutputFileError(f"{self.path}: rows of {columns} floats, but the server gives {self.dims}")
         self.rows = (self.path.stat().st_size - self.header_size) // (4 * self.dims)
         if self.ids_path is None:
-            if self.rows and self.ids_beside.exists():
+            if self.rows and ids_beside(self.path).exists():
                 raise OutputFileError(
-                    f"{self.path}: made from JSONL input (its ids are in {self.ids_beside}): "
+                    f"{self.path}: made from JSONL input (its ids are in {ids_beside(self.path)}): "
                     "resume it with --jsonl"
                 )
             return Written(self.rows)
@@ -334,9 +329,14 @@ class JsonlSink:
         self._out.close()
 
 
+def ids_beside(out: Path) -> Path:
+    """Where a .npy output made from JSONL input keeps its ids."""
+    return out.with_name(out.stem + IDS_SUFFIX)
+
+
 def sink_for(out: Path, dims: int, jsonl_input: bool) -> Sink:
     if out.suffix == ".npy":
-        return NpySink(out, dims, out.with_name(out.stem + IDS_SUFFIX) if jsonl_input else None)
+        return NpySink(out, dims, ids_beside(out) if jsonl_input else None)
     if out.suffix == ".jsonl":
         return JsonlSink(out)
     raise OutputFileError(f"{out}: the output must end in .npy or .jsonl")
@@ -389,6 +389,13 @@ class Stats:
     rows: int = 0  # in the output, those of earlier runs included
     resumed: int = 0  # rows that were there when the job started
     retried: int = 0  # requests refused (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED), sent again
+    # Told of each refusal that will be retried: a server that is busy or gone must not look like a
+    # job that hangs (the command line prints a line now and then).
+    on_retry: Callable[[grpc.RpcError], None] = field(default=lambda error: None, repr=False)
+
+    def retry(self, error: grpc.RpcError) -> None:
+        self.retried += 1
+        self.on_retry(error)
 
 
 def retryable(error: grpc.RpcError) -> bool:
@@ -405,7 +412,7 @@ async def with_retries(call: Callable[[], Awaitable[T]], backoff: Backoff, stats
         except grpc.RpcError as e:
             if not retryable(e):
                 raise
-        stats.retried += 1
+            stats.retry(e)
         await asyncio.sleep(delay)
     return await call()  # the last attempt: its error is the job's
 
@@ -505,7 +512,13 @@ def refused_line(error: grpc.RpcError, chunk: list[Record], name: str) -> InputF
     return InputFileError(f"{name}:{chunk[int(match[1])].line}: refused by the server: {error.details()}")
 
 
-async def run_job(job: Job, client: Embedder, served: Served, progress: Callable[[int], None]) -> Stats:
+async def run_job(
+    job: Job,
+    client: Embedder,
+    served: Served,
+    progress: Callable[[int], None],
+    on_retry: Callable[[grpc.RpcError], None] = lambda error: None,
+) -> Stats:
     """Embed job.source into job.out. On an error the output holds whole rows only and resumes; the
     error carries a note that says so."""
     if job.out.exists() and not job.resume:
@@ -517,7 +530,7 @@ async def run_job(job: Job, client: Embedder, served: Served, progress: Callable
         written = sink.inspect() if job.resume and job.out.exists() else Written()
         skip_written(records, written, name)  # before the output is touched: a refusal leaves it as it was
         sink.open(resume=written.rows > 0)
-        stats = Stats(rows=written.rows, resumed=written.rows)
+        stats = Stats(rows=written.rows, resumed=written.rows, on_retry=on_retry)
         complete = False
         try:
 

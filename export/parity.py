@@ -129,7 +129,17 @@ def edge_rows(tokenizer: Tokenizer, cls_id: int, sep_id: int) -> list[list[int]]
 
 def parity_texts(data_dir: Path | None) -> tuple[list[str], list[ScoredPair]]:
     """STS-B dev sentences when a data directory is given, else the sentences the project carries."""
-    edge = ["a", "word " * 400]  # one word, and an input truncated at the maximum length
+    # One word; an input truncated at the maximum length; special tokens written in a text (found in
+    # the raw text, before lowercasing); long texts of few tokens (nothing to cut). Check 1 holds our
+    # tokenizer to sentence-transformers' on each.
+    edge = [
+        "a",
+        "word " * 400,
+        "hello [SEP] world",
+        "The [MASK] token, [UNK] and [CLS]",
+        "x" * 5000,
+        " " * 5000 + "hello world",
+    ]
     if data_dir is None:
         carried = CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines()
         return list(dict.fromkeys(carried + edge)), []

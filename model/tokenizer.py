@@ -79,6 +79,11 @@ class Tokenizer:
             self._ascii.normalizer = None
             self._ascii.no_padding()
             self._ascii.enable_truncation(max_length)
+        # Special tokens the library finds in the raw text, before its normaliser (BERT's "[SEP]",
+        # "[MASK]", ...: a user's text may hold them). Lowercasing first would hide them, so a text
+        # holding one takes the library's own path.
+        raw = [t.content for t in self._truncating.get_added_tokens_decoder().values() if not t.normalized]
+        self._raw_specials = re.compile("|".join(map(re.escape, raw))) if raw else None
         # Only asked for the full length of inputs that were cut, to report it.
         self._full = HFTokenizer.from_file(str(path))
         self._full.no_padding()
@@ -133,14 +138,19 @@ class Tokenizer:
         without the library's normaliser, in one batch call, the others in another."""
         if self._ascii is None:
             return self._truncating.encode_batch_fast(texts)
-        if all(text.isascii() for text in texts):  # O(1) per text in CPython
+        fast = [self._plain_ascii(text) for text in texts]
+        if all(fast):
             return self._ascii.encode_batch_fast([_normalize_ascii(t) for t in texts])
-        plain = [i for i, text in enumerate(texts) if text.isascii()]
-        rest = [i for i, text in enumerate(texts) if not text.isascii()]
+        plain = [i for i, ok in enumerate(fast) if ok]
+        rest = [i for i, ok in enumerate(fast) if not ok]
         cleaned = self._ascii.encode_batch_fast([_normalize_ascii(texts[i]) for i in plain])
         done = dict(zip(plain, cleaned, strict=True))
         done.update(zip(rest, self._truncating.encode_batch_fast([texts[i] for i in rest]), strict=True))
         return [done[i] for i in range(len(texts))]
+
+    def _plain_ascii(self, text: str) -> bool:
+        """ASCII (O(1) per text in CPython) and holding no special token's text."""
+        return text.isascii() and (self._raw_specials is None or self._raw_specials.search(text) is None)
 
     def _from_prefix(self, text: str, prefix: Encoding) -> tuple[list[int], int, bool]:
         """(ids as if the whole text were tokenized and truncated, original tokens, lower bound?).
@@ -158,6 +168,8 @@ class Tokenizer:
         if len(whole) >= keep:
             return [prefix.ids[0], *whole[:keep], prefix.ids[-1]], len(prefix.ids), True
         full = self._whole(text).ids
+        if len(full) <= self.max_length:  # a long text of few tokens (a URL, a blob, spaces): not cut
+            return list(full), len(full), False
         return [*full[: self.max_length - 1], full[-1]], len(full), False
 
 

@@ -156,6 +156,11 @@ class Supervisor:
 
     def on_event(self, whose: str, event: tuple[Any, ...]) -> None:
         kind = event[0]
+        if kind == "error" and self.announced and whose.startswith("front"):
+            # A front started again that could not start: it exits, and is restarted after its
+            # backoff like any front that dies. Only at the server's own start is it the end.
+            log.error("%s could not start: %s", whose, event[1])
+            return
         if kind == "error":
             raise StartupError(event[1])
         if kind == "ready":
@@ -188,7 +193,8 @@ class Supervisor:
                 if item == wakeup:
                     os.read(wakeup, 512)
                 elif isinstance(item, Connection):
-                    self._read(item)
+                    if item in self.events:  # not the pipe of a front that died in this pass
+                        self._read(item)
                 elif item == self.engine.sentinel:
                     log.error("the engine process exited with code %s: stopping", self.engine.exitcode)
                     return 1
@@ -208,6 +214,7 @@ class Supervisor:
 
     def _front_died(self, index: int) -> None:
         """Schedule the front's restart after its backoff; until then it is out of `fronts`."""
+        self._last_events(f"front-{index}")  # a "serving" read after this would revive a dead front
         front = self.fronts.pop(index)
         front.join(STOP_MARGIN_S)  # reaped: its sentinel can close a moment before its exit code is set
         now = time.monotonic()
@@ -224,6 +231,14 @@ class Supervisor:
         )
         multiprocess.mark_process_dead(front.pid)
         self.serving.discard(index)
+
+    def _last_events(self, whose: str) -> None:
+        """Read what a dead child sent before it died, then forget its pipe."""
+        for conn in [c for c, name in self.events.items() if name == whose]:
+            while conn in self.events and conn.poll():
+                self._read(conn)
+            if self.events.pop(conn, None) is not None:
+                conn.close()
 
     def _until_restart(self) -> float | None:
         """Seconds until the next scheduled restart (the longest `watch` may wait); None if none."""
@@ -251,7 +266,10 @@ class Supervisor:
         if self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
-        return 0 if all(code == 0 for code in codes) else 1
+        # Stopped before it ever served (a rollout's SIGTERM during a slow start: an engine still
+        # loading is killed after STOP_MARGIN_S): no call was accepted, so none was lost.
+        served = self.announced or self.serving
+        return 0 if all(code == 0 for code in codes) or not served else 1
 
 
 def _signal(process: BaseProcess, signum: int) -> None:
@@ -300,22 +318,23 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
     signal.set_wakeup_fd(wakeup_write)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: stop.append(signum))
+    if supervisor.config.metrics_address:  # first: a port in use fails here, before any child starts
+        registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
+        host = supervisor.config.metrics_address.rpartition(":")[0] or "0.0.0.0"
+        port = serve_metrics(registry, supervisor.config.metrics_address)
+        log.info("metrics on %s:%d/metrics", host, port)
     try:
         os.environ.update(ENGINE_MALLOC)
         supervisor.start_engine()
         os.environ.update(FRONT_MALLOC)  # the fronts' environment from here on, not the engine's
         for index in range(supervisor.fronts_wanted):
             supervisor.start_front(index)
-        if supervisor.config.metrics_address:
-            registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
-            port = serve_metrics(registry, supervisor.config.metrics_address)
-            log.info("metrics on :%d/metrics", port)
         if supervisor.http_address:
             log.info("http on port %s", supervisor.http_address.rpartition(":")[2])
         code = supervisor.watch(wakeup_read, stop)
         if code == 0:
             log.info("signal received: draining for up to %.0fs", supervisor.config.drain_timeout_s)
-    except StartupError:
+    except BaseException:  # a child that cannot start, or a bug here: no child outlives the server
         supervisor.stop()
         raise
     stopped = supervisor.stop()

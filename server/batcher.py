@@ -218,6 +218,10 @@ class Batcher:
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
     _waiting: int = 0
+    # Inputs of ended requests still in the queue (at least: a late callback may count some already
+    # gone). Past queue_limit of them the queue is swept, so it holds at most about twice the limit
+    # whatever callers do (submit and cancel while every instance computes, for one).
+    _dead: int = 0
 
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
@@ -279,8 +283,20 @@ class Batcher:
         """A request answered, failed or cancelled: its inputs still queued no longer wait."""
         if request.queued:
             self._waiting -= request.queued
+            self._dead += request.queued
             request.queued = 0
             self._depth_changed()
+            if self._dead > self.limits.queue_limit:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        """Drop every queued input of an ended request now, not when the queue's head reaches it."""
+        now = time.monotonic()
+        gone = collections.Counter(self._drop_reason(r, now) for r, _ in self._queue if r.abandoned)
+        self._queue = [e for e in self._queue if not e[0].abandoned]
+        for reason, count in gone.items():
+            self.metrics.dropped.labels(reason).inc(count)
+        self._dead = 0
 
     def _depth_changed(self) -> None:
         self.metrics.queue_depth.set(self._waiting)
@@ -350,6 +366,7 @@ class Batcher:
             window = [e for e in head if e[0] not in dead]
             for request, count in collections.Counter(e[0] for e in head if e[0] in dead).items():
                 self.metrics.dropped.labels(dead[request]).inc(count)
+                self._dead = max(0, self._dead - count)
         if not window:
             del self._queue[:size]
             self._depth_changed()

@@ -76,11 +76,15 @@ class Hold:
     def __enter__(self) -> Hold:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Release it if not yet released, and count the request answered (once)."""
         self.release()
         if self._open:
             self._open = False
             self.budget.open -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def tokenizing_budget(limit: int) -> Budget:

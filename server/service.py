@@ -226,7 +226,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             # (its body never runs): a task that owned it could leak the front's request bytes.
             def done(task: asyncio.Task[None]) -> None:
                 tasks.discard(task)
-                held.__exit__(None, None, None)
+                held.close()
 
             task.add_done_callback(done)
 

@@ -26,7 +26,7 @@ from tests.stand_in_server import HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 _GRPC_PORT = re.compile(r"serving .* on port (\d+)")
-_METRICS_PORT = re.compile(r"metrics on :(\d+)/metrics")
+_METRICS_PORT = re.compile(r"metrics on \S*:(\d+)/metrics")  # host:port, [v6]:port
 _HTTP_PORT = re.compile(r"http on port (\d+)")
 _ENGINE_PID = re.compile(r"engine pid (\d+)")
 

@@ -336,6 +336,38 @@ def test_inputs_of_a_cancelled_caller_give_back_their_queue_places_at_once():
     assert sample(batcher, "embed_queue_depth") == 0
 
 
+def test_the_queue_stays_bounded_however_often_callers_submit_and_cancel():
+    """Places come back at once, but the inputs stay in the queue until its head reaches them: with
+    every instance computing, submit-then-cancel could grow it without bound. Past queue_limit such
+    inputs it is swept, and they are counted as dropped."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, queue_limit=3)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)  # the one instance is busy: nothing is taken
+            longest = 0
+            for _ in range(1000):
+                gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5], [4, 5]]))
+                await asyncio.sleep(0)  # queued
+                gone.cancel()
+                await asyncio.sleep(0)  # its places come back
+                longest = max(longest, len(batcher._queue))
+            model.gate.set()
+            await running
+            return longest, await submit(batcher, [[5, 5]])
+        finally:
+            await batcher.stop()
+
+    longest, after = run(scenario)
+    assert longest <= 2 * 3 + 3  # was 3,000: every cancelled input kept
+    assert first_ids(after) == [5]
+    assert 2 not in model.first_ids_seen()
+    assert sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 3000
+
+
 def test_a_failing_row_fails_only_its_own_request():
     model = FakeModel()
     batcher = new_batcher(model, max_queue_delay_s=0.05)

@@ -22,7 +22,7 @@ from tests import test_client
 from tests.server_process import ServerProcess, serving
 from tests.test_client import run_client
 from tests.test_metrics import samples, scrape
-from tests.test_server import SHORT, assert_close
+from tests.test_server import SHORT, assert_close, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every character str.splitlines() breaks at, besides \n and \r\n: each must stay inside its text.
@@ -412,3 +412,29 @@ def test_a_refused_resume_leaves_a_finished_output_as_it_was(server, tmp_path, j
     assert message in done.stderr, done.stderr
     assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
     assert np.load(out).shape == (6, 384)  # still sealed: it loads
+
+
+def test_an_unreachable_server_is_said_while_retried_not_a_silent_hang(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("one\n", encoding="utf-8")
+    closed = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    done = run_client(
+        "--address",
+        closed,
+        "--timeout",
+        "1",
+        "embed-file",
+        str(path),
+        "--out",
+        str(tmp_path / "v.npy"),
+        "--retry-for",
+        "3",
+    )
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1
+    notices = [line for line in done.stderr.splitlines() if "retrying each request for up to 3 s" in line]
+    assert len(notices) == 1 and f"{closed}: UNAVAILABLE" in notices[0], (
+        done.stderr
+    )  # said once, not per retry
+    assert "Traceback" not in done.stderr

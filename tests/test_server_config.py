@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import subprocess
 from pathlib import Path
 
@@ -106,6 +107,18 @@ def test_server_process_refuses_invalid_settings_without_a_traceback(args, messa
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_metrics_port_in_use_is_refused_before_any_child_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_server("--metrics-address", f"127.0.0.1:{port}")
+    assert done.returncode == 2
+    assert "server: error:" in done.stderr and "Address already in use" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr  # children once crashed as the run dir went
+    assert "front" not in done.stderr and "engine" not in done.stderr
 
 
 def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():

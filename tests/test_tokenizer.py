@@ -119,15 +119,19 @@ LONG_CASES = {
     "punctuation": "word, " * 16_000,
     "accents, composed and not": "é" * 3_000 + "e\u0301" * 3_000 + " ok" * 1_000,
     "a short text over 256 tokens": " ".join(["token"] * 600),
+    # Long in characters, few in tokens: nothing to cut (a second [SEP] was appended once).
+    "one giant word alone": "x" * 5_000,
+    "spaces, then two words": " " * 5_000 + "hello world",
+    "a long URL": "https://example.com/" + "a1b2" * 1_200,
 }
 
 
 @pytest.mark.parametrize("name", LONG_CASES)
-def test_long_texts_get_the_ids_of_the_whole_text_truncated(tokenizer, name):
+def test_long_texts_get_the_ids_of_the_whole_text_truncated(tokenizer, library, name):
     text = LONG_CASES[name]
     whole = tokenizer.encode_full(text)
     got = tokenizer.encode([text])
-    assert got.ids[0] == [*whole[:255], whole[-1]]
+    assert got.ids[0] == library.encode(text).ids  # the library's own truncation: [CLS] ... [SEP]
     assert got.truncated[0] == (len(whole) > 256)
     if got.lower_bound[0]:  # only a prefix was read: the count is at most the whole's
         assert len(text) > PREFIX_CHARS and 256 < got.original_lengths[0] <= len(whole)
@@ -190,6 +194,28 @@ def test_sts_b_sentences_get_the_ids_of_the_librarys_own_normaliser(tokenizer, l
     texts = [text for pair in read_sts(sts_path(data_dir, "train")) for text in (pair.first, pair.second)]
     assert len(texts) > 10_000 and sum(t.isascii() for t in texts) > 0.9 * len(texts)
     assert tokenizer.encode(texts).ids == [e.ids for e in library.encode_batch(texts)]
+
+
+SPECIAL_TOKEN_TEXTS = [
+    "hello [SEP] world",
+    "Use [UNK] for unknown words",
+    "[CLS] classification",
+    "The [MASK] token is predicted",
+    "[PAD][PAD]",
+    "lower case [sep] and [cls] are words",  # not special: the specials match case-sensitively
+    "half a [SEP",
+    "héllo [SEP] wörld",
+]
+
+
+def test_special_tokens_written_in_a_text_are_found_as_the_library_finds_them(tokenizer, library):
+    """The library finds them in the raw text, before its normaliser lowercases it: the ASCII
+    shortcut, lowercasing first, made "[SEP]" ordinary word pieces (served cosine 0.6 vs
+    sentence-transformers on "hello [SEP] world")."""
+    got = tokenizer.encode(SPECIAL_TOKEN_TEXTS)
+    assert got.ids == [e.ids for e in library.encode_batch(SPECIAL_TOKEN_TEXTS)]
+    assert got.ids[0] == [CLS, 7592, SEP, 2088, SEP]
+    assert got.ids == [tokenizer.encode([t]).ids[0] for t in SPECIAL_TOKEN_TEXTS]
 
 
 def test_a_batch_of_ascii_and_other_texts_keeps_its_order(tokenizer, library):
