@@ -92,6 +92,7 @@ def manifest(
         source=str(ckpt.directory),
         weights_sha256=ckpt.sha256,
         onnx_sha256=sha256_file(staging / FP32_FILE),
+        tokenizer_sha256=sha256_file(staging / TOKENIZER_FILE),
         config=ckpt.config,
         opset=OPSET,
         ir_version=IR_VERSION,
@@ -107,7 +108,10 @@ def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
-    tokenizer = Tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
+    try:
+        tokenizer = Tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
+    except Exception as e:  # the tokenizers library raises its parse errors as plain Exception
+        raise WeightsError(f"{weights / TOKENIZER_FILE}: not a tokenizer the library can read: {e}") from None
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
     shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
@@ -145,9 +149,28 @@ def replace_dir(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+class OutputError(Exception):
+    """An --out that is not a model repository's place; the message says why."""
+
+
+def check_out(out: Path) -> None:
+    """--out must name a directory that is absent, empty, or a model repository (it is replaced
+    whole): a typo such as `--out build` must not delete what is there."""
+    if not out.resolve().name or out.resolve() == Path.cwd().resolve():
+        raise OutputError(f"--out {out}: name a directory of its own (it is replaced whole)")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+        raise OutputError(
+            f"--out {out} holds files but no {MANIFEST_FILE}: not a model repository, so it is not "
+            "replaced; name a new directory, or remove it first"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_out(args.out)
         weights = args.weights or default_weights_dir()
         expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             replace_dir(staging, args.out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    except (WeightsError, ParityError, DataError, OSError) as e:
+    except (WeightsError, ParityError, DataError, OutputError, OSError) as e:
         print(f"export: error: {e}", file=sys.stderr)
         return 2
     print(f"export: wrote {args.out} (parity passed)")

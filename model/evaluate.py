@@ -39,12 +39,14 @@ def length_sorted(embed: Embedder) -> Embedder:
     return run
 
 
-def torch_embedder(encoder: Encoder, batch: int = BATCH) -> Embedder:
+def torch_embedder(encoder: Encoder, batch: int = BATCH, pooled: bool = False) -> Embedder:
+    """The encoder's vectors as the service returns them, or (`pooled`) before normalisation."""
     assert not encoder.training, "evaluation needs the encoder in eval mode (dropout off)"
+    forward = encoder if pooled else encoder.embed
 
     def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         with torch.no_grad():
-            return encoder.embed(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
+            return forward(torch.from_numpy(ids), torch.from_numpy(lengths)).numpy()
 
     return lambda rows: batched(rows, run, batch)
 

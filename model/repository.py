@@ -27,7 +27,7 @@ from minilm_embed.model.config import EncoderConfig
 # Bump when a reader of the previous version would misread the new one; readers refuse any other.
 # 2: the word-embedding table left the graphs for a shared file (`shared_tensors`), which a version 1
 # reader would neither check nor share.
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3  # 3: tokenizer_sha256 (the tokenizer decides the served tokens)
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FP32_FILE = "model.onnx"
@@ -119,6 +119,7 @@ class Manifest:
     source: str
     weights_sha256: str
     onnx_sha256: str  # of the fp32 graph
+    tokenizer_sha256: str  # of tokenizer.json, checked as the graphs are
     config: EncoderConfig
     opset: int
     ir_version: int
@@ -137,6 +138,7 @@ class Manifest:
             "source": self.source,
             "weights_sha256": self.weights_sha256,
             "onnx_sha256": self.onnx_sha256,
+            "tokenizer_sha256": self.tokenizer_sha256,
             "config": self.config.to_dict(),
             "dimensions": self.config.hidden_size,
             "max_input_tokens": self.config.max_seq_length,
@@ -174,6 +176,7 @@ class Manifest:
             source=_get(d, "source", str),
             weights_sha256=_get(d, "weights_sha256", str),
             onnx_sha256=_get(d, "onnx_sha256", str),
+            tokenizer_sha256=_get(d, "tokenizer_sha256", str),
             config=config,
             opset=_get(d, "opset", int),
             ir_version=_get(d, "ir_version", int),
@@ -262,8 +265,15 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def open_repository(directory: Path) -> ModelRepository:
-    """Read manifest.json and verify the checksum of every graph and shared tensor against it."""
+    """Read manifest.json and verify the checksum of every graph, shared tensor and the tokenizer."""
     repo = ModelRepository(directory, read_manifest(directory))
+    tokenizer = repo.tokenizer_file
+    if not tokenizer.is_file():
+        raise ModelRepositoryError(f"{tokenizer}: missing")
+    if (actual := sha256_file(tokenizer)) != repo.manifest.tokenizer_sha256:
+        raise ModelRepositoryError(
+            f"{tokenizer}: sha256 {actual} does not match manifest {repo.manifest.tokenizer_sha256}"
+        )
     items: list[Graph | SharedTensor] = [*repo.manifest.graphs, *repo.manifest.shared_tensors]
     for item in items:
         file = repo.path(item)

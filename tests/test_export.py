@@ -34,8 +34,11 @@ from minilm_embed.export.parity import (
     MIN_COSINE,
     ParityError,
     compare,
+    onnx_embedder,
+    pooled_checks,
     run_parity,
 )
+from minilm_embed.model.evaluate import length_sorted, torch_embedder
 from minilm_embed.model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, WORD_EMBEDDINGS_FILE
 from minilm_embed.model.tokenizer import pad_batch
 from minilm_embed.model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
@@ -47,6 +50,8 @@ CHECK_NAMES = [
     "2 onnx vs pytorch",
     "3 batch invariance (onnx)",
     "4 sts-b dev spearman (onnx vs ref)",
+    "5 embeddings = normalised pooled",
+    "6 pooled (onnx vs pytorch)",
 ]
 SENTENCES = ["A man is playing a guitar.", "ok", "Two dogs are running through a field of tall grass."]
 
@@ -87,13 +92,25 @@ def bad_input(case: str, tmp_path: Path, checkpoint_copy) -> tuple[list[str], Pa
         return ["--weights", str(tmp_path / "empty")], tmp_path / "empty"
     if case == "checksum mismatch":
         return ["--sha256", "0" * 64], default_weights_dir() / WEIGHTS_FILE
+    if case == "unreadable tokenizer":
+        directory = checkpoint_copy()
+        (directory / "tokenizer.json").unlink()
+        (directory / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+        return ["--weights", str(directory)], directory / "tokenizer.json"
     assert case == "unrepresentable config"
     directory = checkpoint_copy({"num_attention_heads": 7})
     return ["--weights", str(directory)], directory / "config.json"
 
 
 @pytest.mark.parametrize(
-    "case", ["nonexistent weights", "not a checkpoint", "checksum mismatch", "unrepresentable config"]
+    "case",
+    [
+        "nonexistent weights",
+        "not a checkpoint",
+        "checksum mismatch",
+        "unreadable tokenizer",
+        "unrepresentable config",
+    ],
 )
 def test_bad_input_exits_2_with_one_line_naming_the_file(case, tmp_path, checkpoint_copy):
     args, culprit = bad_input(case, tmp_path, checkpoint_copy)
@@ -190,12 +207,54 @@ def test_parity_gate_fails_a_perturbed_encoder(exported, encoder_and_checkpoint,
     report = run_parity(perturbed, session, tokenizer, checkpoint.directory, None, reference=False)
     assert report.passed is False
     by_name = {c.name: c for c in report.checks}
-    assert [c.name for c in report.checks if not c.passed] == ["2 onnx vs pytorch"]
+    assert [c.name for c in report.checks if not c.passed] == [
+        "2 onnx vs pytorch",
+        "6 pooled (onnx vs pytorch)",
+    ]
     onnx_vs_pytorch = by_name["2 onnx vs pytorch"].figures
     assert onnx_vs_pytorch["max_abs_diff"] > MAX_ABS_DIFF or onnx_vs_pytorch["min_cosine"] < MIN_COSINE
     assert by_name["3 batch invariance (onnx)"].passed
     with pytest.raises(ParityError, match="2 onnx vs pytorch"):
         report.raise_on_failure()
+
+
+class NegatedPooled:
+    """A session whose `pooled` output is wrong (negated) and whose `embeddings` are right."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+
+    def run(self, outputs: list[str], feeds: dict) -> list[np.ndarray]:
+        got = self.session.run(outputs, feeds)
+        return [-g if name == "pooled" else g for name, g in zip(outputs, got, strict=True)]
+
+
+def test_parity_gate_checks_the_pooled_output_that_normalize_false_returns(
+    exported, encoder_and_checkpoint, tokenizer
+):
+    out, _ = exported
+    encoder, _ = encoder_and_checkpoint
+    rows = tokenizer.encode(SENTENCES).ids
+    session = cpu_session(out / "model.onnx")
+    embeddings = length_sorted(onnx_embedder(session))(rows)
+    reference = length_sorted(torch_embedder(encoder, pooled=True))
+    assert all(c.passed for c in pooled_checks(session, rows, embeddings, reference))
+    wrong = pooled_checks(NegatedPooled(session), rows, embeddings, reference)  # type: ignore[arg-type]
+    assert [c.passed for c in wrong] == [False, False]  # the embeddings alone passed the gate before
+
+
+def test_out_that_is_not_a_model_repository_is_refused_and_kept(tmp_path):
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("keep me")
+    for out, message in [
+        (notes, "holds files but no manifest.json"),
+        (Path("."), "name a directory of its own"),
+    ]:
+        result = run_export("--out", str(out))
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr and "Traceback" not in result.stderr
+    assert (notes / "notes.txt").read_text() == "keep me"
 
 
 def test_compare_reports_a_shape_error_apart_from_values():

@@ -113,6 +113,12 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
         lambda d: d["shared_tensors"][0].update(file="gone.f32"),
         "gone.f32: missing",
     ),
+    # The tokenizer decides the ids the graph sees: an edited one ("lowercase": false turned "Hello"
+    # into [UNK]) is refused as a changed graph is.
+    "a changed tokenizer": (
+        lambda d: d.update(tokenizer_sha256="0" * 64),
+        "tokenizer.json: sha256 ",
+    ),
 }
 
 
