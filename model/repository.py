@@ -74,7 +74,7 @@ class Graph:
             raise ModelRepositoryError(f"graph precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         return cls(
             provider=_get(d, "provider", str),
-            file=_get(d, "file", str),
+            file=_file_name(d),
             precision=cast(Precision, precision),
             graph=_get(d, "graph", str),
             disabled_optimizers=tuple(_get(d, "disabled_optimizers", list)),
@@ -107,8 +107,16 @@ class SharedTensor:
         shape = _get(d, "shape", list)
         if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
             raise ModelRepositoryError(f"shared tensor shape {shape!r}: expected positive ints")
-        name, file, sha256 = (_get(d, key, str) for key in ("name", "file", "sha256"))
-        return cls(name=name, file=file, shape=tuple(shape), sha256=sha256)
+        name, sha256 = _get(d, "name", str), _get(d, "sha256", str)
+        return cls(name=name, file=_file_name(d), shape=tuple(shape), sha256=sha256)
+
+
+def _file_name(d: Mapping[str, Any]) -> str:
+    """A file the manifest names: a plain name inside the repository, never a path out of it."""
+    name = _get(d, "file", str)
+    if Path(name).name != name or name in (".", ".."):
+        raise ModelRepositoryError(f"file {name!r}: a file name inside the repository, not a path")
+    return name
 
 
 @dataclass(frozen=True)

@@ -258,15 +258,16 @@ class Batcher:
     def enqueue(self, rows: Rows, deadline: float | None = None, tag: str = "") -> Request:
         """Queue one request's inputs; its future resolves when every input has its vectors.
 
-        Cancelling the future (the caller went away) drops the inputs not yet computed.
+        `cancel(request)` (the caller went away) drops the inputs not yet computed.
         """
         assert len(rows) > 0
         self.check_capacity(len(rows))
+        if self._dead > self.limits.queue_limit:
+            self._sweep()
         future = asyncio.get_running_loop().create_future()
         request = Request(rows, future, time.monotonic(), deadline, tag)
         self._queue.extend(zip(itertools.repeat(request), range(len(rows))))
         self._waiting += len(rows)
-        future.add_done_callback(lambda _: self._ended(request))
         self._depth_changed()
         self._wakeup.set()
         return request
@@ -277,17 +278,27 @@ class Batcher:
         try:
             return await request.future
         finally:
-            request.future.cancel()
+            self.cancel(request)
+
+    def cancel(self, request: Request) -> None:
+        """The caller gave up: its inputs not yet computed give back their places now and are dropped
+        before compute (a no-op for a request already answered)."""
+        request.future.cancel()
+        self._ended(request)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        request.fail(error)
+        self._ended(request)
 
     def _ended(self, request: Request) -> None:
-        """A request answered, failed or cancelled: its inputs still queued no longer wait."""
+        """A request cancelled or failed: its inputs still queued no longer wait. Called where it
+        ends (cancel, _fail) rather than from a callback on its future, which cost every request
+        an event-loop turn; one cancelled elsewhere is accounted when the queue's head reaches it."""
         if request.queued:
             self._waiting -= request.queued
             self._dead += request.queued
             request.queued = 0
             self._depth_changed()
-            if self._dead > self.limits.queue_limit:
-                self._sweep()
 
     def _sweep(self) -> None:
         """Drop every queued input of an ended request now, not when the queue's head reaches it."""
@@ -316,7 +327,7 @@ class Batcher:
                     extra={"request_ids": _tags(batch)},
                 )
                 for request, _ in batch:
-                    request.fail(BackendFailure("internal batching error"))
+                    self._fail(request, BackendFailure("internal batching error"))
 
     async def _wait_for_batch(self) -> None:
         """Until work is queued, then until a batch is full or the oldest input waited long enough.
@@ -338,8 +349,7 @@ class Batcher:
             except TimeoutError:
                 return
 
-    @staticmethod
-    def _drop_reason(request: Request, now: float) -> str:
+    def _drop_reason(self, request: Request, now: float) -> str:
         """Why a request's inputs are dropped before compute ("" if they are not): its caller went
         away ("cancelled") or its deadline passed ("deadline"), which fails it."""
         expired = request.deadline is not None and now >= request.deadline
@@ -347,7 +357,7 @@ class Batcher:
             # gRPC cancels the call when its deadline passes, usually before this check sees it.
             return "deadline" if expired else "cancelled"
         if expired:
-            request.fail(Dropped("deadline exceeded while queued; the input was not computed"))
+            self._fail(request, Dropped("deadline exceeded while queued; the input was not computed"))
             return "deadline"
         return ""
 
@@ -363,6 +373,8 @@ class Batcher:
         dead = {r: why for r in requests if (why := self._drop_reason(r, now))}
         window = head
         if dead:
+            for request in dead:
+                self._ended(request)  # at the latest: a future cancelled outside `cancel`
             window = [e for e in head if e[0] not in dead]
             for request, count in collections.Counter(e[0] for e in head if e[0] in dead).items():
                 self.metrics.dropped.labels(dead[request]).inc(count)
@@ -419,7 +431,7 @@ class Batcher:
                 normalised, pooled = await self._in_worker(ids, lengths)
             except Exception as e:  # its caller may have gone while this input ran: fail() checks
                 log.warning("input %d failed alone too: %r", entry[1], e, extra={"request_id": request.tag})
-                request.fail(BackendFailure(f"model run failed for this input: {type(e).__name__}"))
+                self._fail(request, BackendFailure(f"model run failed for this input: {type(e).__name__}"))
                 continue
             run_s = time.monotonic() - started
             self._observe([entry], ids.size, ids.size, started, run_s)
@@ -439,7 +451,7 @@ class Batcher:
             if request.abandoned:
                 continue
             if not finite[row]:
-                request.fail(BackendFailure("the model produced a non-finite vector for this input"))
+                self._fail(request, BackendFailure("the model produced a non-finite vector for this input"))
                 continue
             request.spans.append(span)
             if request.fill(i, normalised[row], pooled[row], started):

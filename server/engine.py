@@ -150,7 +150,7 @@ class Engine:
         elif kind == protocol.CANCEL:
             request = self._requests.pop((identity, protocol.parse_cancel(frames)), None)
             if request is not None:
-                request.future.cancel()  # its inputs are dropped before compute
+                self.batcher.cancel(request)  # its inputs are dropped before compute
         elif kind == protocol.HELLO:
             if self.facts is None:
                 self._waiting.append(identity)

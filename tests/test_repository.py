@@ -97,6 +97,10 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
         "does not match manifest " + "0" * 64,
     ),
     "a missing graph": (lambda d: d["graphs"][0].update(file="gone.onnx"), "gone.onnx: missing"),
+    "a graph outside the repository": (
+        lambda d: d["graphs"][0].update(file="../model.onnx"),
+        "file '../model.onnx': a file name inside the repository, not a path",
+    ),
     "a changed shared tensor": (
         lambda d: d["shared_tensors"][0].update(sha256="0" * 64),
         "word_embeddings.f32: sha256 ",
