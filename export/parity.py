@@ -60,6 +60,7 @@ FP32_THRESHOLDS = {
     "min_cosine": MIN_COSINE,
     "max_abs_diff": MAX_ABS_DIFF,
     "max_spearman_gap": MAX_SPEARMAN_GAP,
+    "pooled_max_abs_diff": POOLED_MAX_ABS_DIFF,
 }
 INT8_THRESHOLDS = {
     "min_batch_cosine": INT8_MIN_BATCH_COSINE,
@@ -266,7 +267,12 @@ def run_int8_gate(
     checks = [
         Check("int8 sts-b dev spearman vs fp32", gap <= INT8_MAX_SPEARMAN_GAP, figures),
         batch_invariance(int8_embed, rows, min_cosine=INT8_MIN_BATCH_COSINE, name="int8 batch invariance"),
-        Check(agreement.name, agreement.figures["min_cosine"] >= INT8_MIN_COSINE_VS_FP32, agreement.figures),
+        Check(
+            agreement.name,
+            not agreement.note and agreement.figures["min_cosine"] >= INT8_MIN_COSINE_VS_FP32,
+            agreement.figures,
+            agreement.note,  # a shape or non-finite refusal, which has no figures
+        ),
         *pooled_checks(int8, rows, got, reference=None, prefix="int8 "),
     ]
     return ParityReport(checks, len(rows), dict(INT8_THRESHOLDS))

@@ -272,16 +272,23 @@ def read_manifest(directory: Path) -> Manifest:
         raise ModelRepositoryError(f"{path}: {e}") from None
 
 
+def verified_tokenizer(directory: Path, manifest: Manifest) -> Path:
+    """The repository's tokenizer.json, its sha256 checked against the manifest (it decides the
+    ids every graph sees): what the engine opens, and what every front reads."""
+    tokenizer = directory / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise ModelRepositoryError(f"{tokenizer}: missing")
+    if (actual := sha256_file(tokenizer)) != manifest.tokenizer_sha256:
+        raise ModelRepositoryError(
+            f"{tokenizer}: sha256 {actual} does not match manifest {manifest.tokenizer_sha256}"
+        )
+    return tokenizer
+
+
 def open_repository(directory: Path) -> ModelRepository:
     """Read manifest.json and verify the checksum of every graph, shared tensor and the tokenizer."""
     repo = ModelRepository(directory, read_manifest(directory))
-    tokenizer = repo.tokenizer_file
-    if not tokenizer.is_file():
-        raise ModelRepositoryError(f"{tokenizer}: missing")
-    if (actual := sha256_file(tokenizer)) != repo.manifest.tokenizer_sha256:
-        raise ModelRepositoryError(
-            f"{tokenizer}: sha256 {actual} does not match manifest {repo.manifest.tokenizer_sha256}"
-        )
+    verified_tokenizer(directory, repo.manifest)
     items: list[Graph | SharedTensor] = [*repo.manifest.graphs, *repo.manifest.shared_tensors]
     for item in items:
         file = repo.path(item)

@@ -84,6 +84,7 @@ class Tokenizer:
         # holding one takes the library's own path.
         raw = [t.content for t in self._truncating.get_added_tokens_decoder().values() if not t.normalized]
         self._raw_specials = re.compile("|".join(map(re.escape, raw))) if raw else None
+        self._longest_special = max(map(len, raw), default=0)
         # Only asked for the full length of inputs that were cut, to report it.
         self._full = HFTokenizer.from_file(str(path))
         self._full.no_padding()
@@ -124,7 +125,7 @@ class Tokenizer:
             ]
         lower_bound = [False] * len(ids)
         if long:  # slotted back in place: one batch of prefixes, each tokenized once
-            prefixes = self._full.encode_batch([texts[i][:PREFIX_CHARS] for i in long])
+            prefixes = self._full.encode_batch([texts[i][: self._prefix_end(texts[i])] for i in long])
             for i, prefix in zip(long, prefixes, strict=True):
                 row, count, bound = self._from_prefix(texts[i], prefix)
                 ids.insert(i, row)
@@ -147,6 +148,18 @@ class Tokenizer:
         done = dict(zip(plain, cleaned, strict=True))
         done.update(zip(rest, self._truncating.encode_batch_fast([texts[i] for i in rest]), strict=True))
         return [done[i] for i in range(len(texts))]
+
+    def _prefix_end(self, text: str) -> int:
+        """PREFIX_CHARS, or where a special token's text that runs across it begins: cut inside,
+        "[SEP]" would read as "[" and "se", and "[" stays in the ids (the cut drops only the last word)."""
+        if self._raw_specials is not None:
+            reach = self._longest_special
+            for match in self._raw_specials.finditer(
+                text, max(0, PREFIX_CHARS - reach), PREFIX_CHARS + reach
+            ):
+                if match.start() < PREFIX_CHARS < match.end():
+                    return match.start()
+        return PREFIX_CHARS
 
     def _plain_ascii(self, text: str) -> bool:
         """ASCII (O(1) per text in CPython) and holding no special token's text."""

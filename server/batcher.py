@@ -218,9 +218,9 @@ class Batcher:
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
     _waiting: int = 0
-    # Inputs of ended requests still in the queue (at least: a late callback may count some already
-    # gone). Past queue_limit of them the queue is swept, so it holds at most about twice the limit
-    # whatever callers do (submit and cancel while every instance computes, for one).
+    # Inputs of ended requests still in the queue. Past queue_limit of them the queue is swept (at
+    # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
+    # cancel while every instance computes, for one).
     _dead: int = 0
 
     def start(self) -> None:
@@ -303,6 +303,8 @@ class Batcher:
     def _sweep(self) -> None:
         """Drop every queued input of an ended request now, not when the queue's head reaches it."""
         now = time.monotonic()
+        for request in {r for r, _ in self._queue if r.abandoned}:
+            self._ended(request)  # one whose future was cancelled directly: its places come back here
         gone = collections.Counter(self._drop_reason(r, now) for r, _ in self._queue if r.abandoned)
         self._queue = [e for e in self._queue if not e[0].abandoned]
         for reason, count in gone.items():

@@ -130,7 +130,14 @@ class Engine:
             self.metrics.ready.set(1)  # the server is ready when the engine and every front are
             b = self.backend
             self.facts = protocol.EngineFacts(
-                b.provider, b.precision, b.instances, b.threads, b.load_seconds, warm_s, os.getpid()
+                b.provider,
+                b.precision,
+                b.instances,
+                b.threads,
+                b.load_seconds,
+                warm_s,
+                os.getpid(),
+                self.repo.manifest.tokenizer_sha256,
             )
             for identity in self._waiting:
                 self._channel.send([identity, *protocol.ready(self.facts)])

@@ -32,7 +32,13 @@ import tokenizers
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from minilm_embed.model.repository import MANIFEST_FILE, TOKENIZER_FILE, Manifest, read_manifest
+from minilm_embed.model.repository import (
+    MANIFEST_FILE,
+    Manifest,
+    ModelRepositoryError,
+    read_manifest,
+    verified_tokenizer,
+)
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__, logs, protocol
@@ -165,7 +171,7 @@ def create_front(
     metrics = Metrics()
     manifest = read_manifest(config.model_dir)
     max_tokens = manifest.config.max_seq_length
-    tokenizer = Tokenizer(config.model_dir / TOKENIZER_FILE, max_tokens)
+    tokenizer = Tokenizer(verified_tokenizer(config.model_dir, manifest), max_tokens)
     limits = InputLimits(config.max_inputs_per_request, max_tokens, config.max_text_chars)
     engine = EngineClient(
         engine_address, index, manifest.config.hidden_size, config.queue_limit, depth, metrics
@@ -208,6 +214,12 @@ async def start(front: Front) -> protocol.EngineFacts:
         front.http.start()
     front.engine.connect()
     facts = await front.engine.hello()
+    if facts.tokenizer_sha256 != front.manifest.tokenizer_sha256:
+        raise ModelRepositoryError(
+            f"{front.config.model_dir}: its tokenizer.json (sha256 {front.manifest.tokenizer_sha256}) is "
+            f"not the one the engine serves with ({facts.tokenizer_sha256}): the repository changed "
+            "while the server ran; restart the server"
+        )
     vocab = front.service.embedder.tokenizer.vocab_size
     front.service.info = build_info(front.config, front.manifest, facts, vocab)
     await front.readiness.serving()

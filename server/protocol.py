@@ -54,6 +54,9 @@ class EngineFacts:
     load_seconds: float
     warmup_seconds: float
     pid: int
+    # The repository the engine verified: a front that reads another (replaced while serving, then
+    # the front restarted) would tokenize for graphs the engine is not running.
+    tokenizer_sha256: str
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,33 @@ def test_the_queue_stays_bounded_however_often_callers_submit_and_cancel():
     assert sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 3000
 
 
+def test_a_request_whose_future_is_cancelled_directly_gives_back_its_places_when_swept():
+    """Not through Batcher.cancel (e.g. asyncio.wait_for on the future): its places come back when the
+    queue's head reaches it, or when a sweep removes it first."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, queue_limit=3)
+
+    async def scenario():
+        batcher.start()
+        try:
+            busy = batcher.enqueue(Rows.of([[1, 5]]))
+            await wait_until(lambda: model.batches)  # the one instance is busy
+            batcher.enqueue(Rows.of([[2, 5]])).future.cancel()  # directly
+            for _ in range(2):  # 4 inputs of ended requests, over the limit of 3: the next enqueue sweeps
+                batcher.cancel(batcher.enqueue(Rows.of([[3, 5], [3, 5]])))
+            last = batcher.enqueue(Rows.of([[4, 5]]))
+            model.gate.set()
+            await busy.future
+            await last.future
+            await wait_until(lambda: batcher.depth == 0)
+            return await submit(batcher, [[5, 5]] * 3)  # the whole queue: nothing is held for the swept
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == [5, 5, 5]
+    assert not {2, 3} & set(model.first_ids_seen())
+
+
 def test_a_failing_row_fails_only_its_own_request():
     model = FakeModel()
     batcher = new_batcher(model, max_queue_delay_s=0.05)

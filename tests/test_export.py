@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from minilm_embed.export import parity
 from minilm_embed.export.onnx import OPSET, WORD_EMBEDDINGS
 from minilm_embed.export.optimize import (
     CPU_DISABLED_OPTIMIZERS,
@@ -36,6 +37,7 @@ from minilm_embed.export.parity import (
     compare,
     onnx_embedder,
     pooled_checks,
+    run_int8_gate,
     run_parity,
 )
 from minilm_embed.model.evaluate import length_sorted, torch_embedder
@@ -241,6 +243,31 @@ def test_parity_gate_checks_the_pooled_output_that_normalize_false_returns(
     assert all(c.passed for c in pooled_checks(session, rows, embeddings, reference))
     wrong = pooled_checks(NegatedPooled(session), rows, embeddings, reference)  # type: ignore[arg-type]
     assert [c.passed for c in wrong] == [False, False]  # the embeddings alone passed the gate before
+
+
+class FakeGraph:
+    """A stand-in session: (B, 4) vectors from the ids; one non-finite row if asked."""
+
+    def __init__(self, non_finite: bool = False) -> None:
+        self.non_finite = non_finite
+
+    def run(self, outputs: list[str], feeds: dict) -> list[np.ndarray]:
+        ids = feeds["input_ids"]
+        pooled = np.ones((len(ids), 4), np.float32)
+        pooled[:, 0] = ids[:, 1] % 7 + 1
+        if self.non_finite:
+            pooled[0, 0] = np.nan
+        normalised = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+        return [normalised if outputs[0] == "embeddings" else pooled]
+
+
+def test_the_int8_gate_refuses_non_finite_vectors_with_its_message_not_a_traceback(tokenizer, monkeypatch):
+    monkeypatch.setattr(parity, "parity_texts", lambda data_dir: (["a b", "c d e", "f"], []))
+    monkeypatch.setattr(parity, "spearman_x100", lambda vectors, pairs: 80.0)
+    assert run_int8_gate(FakeGraph(), FakeGraph(), tokenizer, Path(".")).passed
+    report = run_int8_gate(FakeGraph(), FakeGraph(non_finite=True), tokenizer, Path("."))  # KeyError before
+    failed = {c.name: c.note for c in report.checks if not c.passed}
+    assert failed["int8 vs fp32"] == "non-finite values"
 
 
 def test_out_that_is_not_a_model_repository_is_refused_and_kept(tmp_path):

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import time
 import urllib.request
@@ -15,6 +17,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.model.checksum import sha256_file
 from minilm_embed.server.app import RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S, restart_delay
 from tests.reference import Reference
 from tests.server_process import ServerProcess, serving, wait_for
@@ -51,8 +54,8 @@ def wait_for_a_new_front(server: ServerProcess, dead: int) -> float:
     return time.monotonic() - started
 
 
-def served_again(server: ServerProcess, times: int) -> bool:
-    return wait_for(lambda: sum("serving again" in line for line in server.lines) >= times, timeout=60)
+def served_again(server: ServerProcess, times: int, timeout: float = 60) -> bool:
+    return wait_for(lambda: sum("serving again" in line for line in server.lines) >= times, timeout=timeout)
 
 
 def test_the_restart_delay_doubles_to_its_cap_and_starts_over_after_a_front_served_a_while() -> None:
@@ -86,3 +89,32 @@ def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(
         with EmbeddingClient(server.address, timeout=60) as client:
             vector = client.embed([SENTENCE])
         assert np.dot(vector[0], Reference(model_dir).embed([SENTENCE])[0]) >= 0.99999
+
+
+def test_a_front_restarted_onto_a_changed_repository_refuses_to_tokenize_for_it(
+    model_dir: Path, tmp_path
+) -> None:
+    """The repository is replaced under a running server (a tokenizer that keeps capitals, with its
+    manifest updated), then a front dies: the new front would tokenize for graphs the engine is not
+    running. It refuses, naming why, and is retried; it never serves with the other tokenizer."""
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for entry in model_dir.iterdir():
+        if entry.name in ("manifest.json", "tokenizer.json"):
+            shutil.copyfile(entry, copy / entry.name)
+        else:
+            (copy / entry.name).symlink_to(entry.resolve())
+    with serving("--front-processes", "1", "--model-dir", str(copy)) as server:
+        tokenizer = json.loads((copy / "tokenizer.json").read_text())
+        tokenizer["normalizer"]["lowercase"] = False
+        (copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["tokenizer_sha256"] = sha256_file(copy / "tokenizer.json")
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+        kill_the_front(server)
+        said = "the repository changed while the server ran"
+        assert wait_for(lambda: any(said in line for line in server.lines), timeout=60), "".join(
+            server.lines[-10:]
+        )
+        assert server.proc.poll() is None  # the supervisor goes on retrying the front, with backoff
+        assert not served_again(server, 1, timeout=2)

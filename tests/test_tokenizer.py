@@ -126,6 +126,20 @@ LONG_CASES = {
 }
 
 
+def across_the_cut(words: int, special: str, inside: int, tail: str) -> str:
+    """`words` words, spaces, then `special` starting `inside` characters before PREFIX_CHARS."""
+    head = " ".join(["hello"] * words)
+    return head + " " * (PREFIX_CHARS - inside - len(head)) + special + tail
+
+
+# A special token's text across the prefix's end: cut inside, "[SEP]" read as "[" and "se".
+LONG_CASES |= {
+    "[SEP] across the cut": across_the_cut(254, "[SEP]", 3, " world" * 10),
+    "[MASK] across the cut, ending the text": across_the_cut(253, "[MASK]", 2, ""),
+    "[CLS] across the cut": across_the_cut(253, "[CLS]", 4, " more words here"),
+}
+
+
 @pytest.mark.parametrize("name", LONG_CASES)
 def test_long_texts_get_the_ids_of_the_whole_text_truncated(tokenizer, library, name):
     text = LONG_CASES[name]
