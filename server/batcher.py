@@ -353,9 +353,12 @@ class Batcher:
 
     def _drop_reason(self, request: Request, now: float) -> str:
         """Why a request's inputs are dropped before compute ("" if they are not): its caller went
-        away ("cancelled") or its deadline passed ("deadline"), which fails it."""
+        away ("cancelled"), its deadline passed ("deadline", which fails it), or another of its inputs
+        failed ("failed": the request has its answer, an error)."""
         expired = request.deadline is not None and now >= request.deadline
         if request.abandoned:
+            if not request.future.cancelled() and not expired:
+                return "failed"
             # gRPC cancels the call when its deadline passes, usually before this check sees it.
             return "deadline" if expired else "cancelled"
         if expired:

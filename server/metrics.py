@@ -33,7 +33,7 @@ BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
 SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))
 LARGEST_CLASS = "65+"
-DROP_REASONS = ("deadline", "cancelled")
+DROP_REASONS = ("deadline", "cancelled", "failed")
 # What refused a request at once: the engine's queue (--queue-limit), or one of a front's budgets:
 # bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
 # (--max-tokenizing-chars). The first says the model is saturated, the others the fronts.

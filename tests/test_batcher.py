@@ -417,6 +417,24 @@ def test_a_failing_row_fails_only_its_own_request():
     assert sample(batcher, "embed_queue_depth") == 0
 
 
+def test_inputs_left_of_a_failed_request_are_dropped_as_failed_not_cancelled():
+    model = FakeModel()
+    batcher = new_batcher(model, max_batch_size=1)  # one input per batch: the second waits
+
+    async def scenario():
+        batcher.start()
+        try:
+            return await asyncio.gather(submit(batcher, [[FAULT, 5], [3, 5]]), return_exceptions=True)
+        finally:
+            await batcher.stop()
+
+    [failed] = run(scenario)
+    assert isinstance(failed, BackendFailure)
+    assert 3 not in model.first_ids_seen()  # the request had its answer: its other input is not run
+    assert sample(batcher, "embed_inputs_dropped_total", reason="failed") == 1
+    assert sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 0  # was counted here
+
+
 def test_batcher_keeps_serving_after_a_request_with_several_failing_rows():
     model = FakeModel()
     batcher = new_batcher(model, max_queue_delay_s=0.05)
