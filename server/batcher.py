@@ -214,6 +214,7 @@ class Batcher:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
     _running: int = 0  # batches in compute now
+    _runs: dict[object, float] = field(default_factory=dict)  # model runs in compute -> when each began
     # Inputs waiting for their turn: those in the queue less those of requests already ended (their
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
@@ -445,7 +446,16 @@ class Batcher:
     async def _in_worker(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self._executor is not None, "batcher not started"
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.run, ids, lengths)
+        key = object()
+        self._runs[key] = time.monotonic()
+        try:
+            return await loop.run_in_executor(self._executor, self.run, ids, lengths)
+        finally:
+            del self._runs[key]
+
+    def longest_run_s(self) -> float:
+        """How long the oldest model run now computing has been at it (0: none is)."""
+        return time.monotonic() - min(self._runs.values()) if self._runs else 0.0
 
     def _resolve(
         self, batch: list[Entry], normalised: np.ndarray, pooled: np.ndarray, started: float, run_s: float

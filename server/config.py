@@ -64,6 +64,9 @@ class ServerConfig:
     # gRPC front processes sharing the port over one engine; 0: auto (server/app.py, plan_fronts).
     front_processes: int = 0
     drain_timeout_s: float = 20.0
+    # A model run longer than this is taken as hung (a stuck kernel or driver): the engine exits, so
+    # the server exits 1 and is restarted, instead of staying ready while every call times out.
+    batch_timeout_s: float = 120.0
     max_connection_age_s: float = 300.0
     metrics_address: str = "0.0.0.0:9464"
     log_level: str = "INFO"
@@ -98,7 +101,7 @@ class ServerConfig:
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}) must be at least "
                 f"max_message_bytes ({self.max_message_bytes}), or a largest request could never fit"
             )
-        for name in ("max_queue_delay_ms", "drain_timeout_s"):
+        for name in ("max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.max_connection_age_s <= 0:
@@ -159,6 +162,8 @@ _HELP = {
         "(0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
     ),
     "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
+    "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
+    "exits 1 (0: never)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",

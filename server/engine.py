@@ -104,6 +104,7 @@ class Engine:
     facts: protocol.EngineFacts | None = None
     _waiting: list[bytes] = field(default_factory=list)  # fronts that said HELLO before the warm-up ended
     _requests: dict[tuple[bytes, int], Request] = field(default_factory=dict)
+    _watchdog: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.batcher = Batcher(
@@ -143,11 +144,30 @@ class Engine:
                 self._channel.send([identity, *protocol.ready(self.facts)])
             self._waiting.clear()
             on_ready(self.facts)
+            if self.config.batch_timeout_s:
+                self._watchdog = asyncio.create_task(self._watch_runs(self.config.batch_timeout_s))
             await stop.wait()
         finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             await self.batcher.stop()
             self._channel.close()
             context.term()
+
+    async def _watch_runs(self, limit_s: float) -> None:
+        """A model run cannot be cancelled from here: one that outlasts `limit_s` ends the engine,
+        so the server exits 1 and is restarted, and the fronts answer UNAVAILABLE at once."""
+        while True:
+            await asyncio.sleep(min(1.0, limit_s / 4))
+            if (running := self.batcher.longest_run_s()) > limit_s:
+                log.critical(
+                    "a model run has taken %.1fs, over --batch-timeout-s %.1fs: taken as hung; the engine "
+                    "exits so the server is restarted",
+                    running,
+                    limit_s,
+                )
+                logging.shutdown()
+                os._exit(3)
 
     def _receive(self, message: list[bytes]) -> None:
         identity, *frames = message

@@ -29,10 +29,12 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reference import Reference
 from tests.server_process import (
     ServerProcess,
+    fault_entry,
     serving,
     start_server,
     wait_for,
 )
+from tests.stand_in_server import HOLD_S, HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
@@ -112,6 +114,25 @@ def test_a_front_that_dies_is_started_again_and_calls_go_on(two_fronts, referenc
         got = np.concatenate([c.embed([t]) for t in texts])
     assert np.sum(got * reference.embed(texts), axis=1).min() >= 0.99999
     assert two_fronts.proc.poll() is None
+
+
+def test_a_hung_model_run_ends_the_engine_so_the_server_is_restarted_not_left_ready():
+    """A stuck kernel cannot be cancelled: past --batch-timeout-s the engine exits, every caller gets
+    UNAVAILABLE at once, and the server exits 1 (Kubernetes restarts it). HOLD_TEXT's batch sleeps
+    HOLD_S (4 s), over the 1 s given here."""
+    process = start_server("--front-processes", "1", "--batch-timeout-s", "1", entry=fault_entry("__fault__"))
+    process.wait_serving()
+    try:
+        with grpc.insecure_channel(process.address) as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.EmbeddingServiceStub(channel).Embed(embed_request([HOLD_TEXT]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert 1.0 <= time.monotonic() - started < HOLD_S  # at the timeout, not when the run ends
+        assert process.wait(30) == 1
+        assert any("over --batch-timeout-s 1.0s: taken as hung" in line for line in process.lines)
+    finally:
+        process.stop()
 
 
 def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model_dir):
