@@ -375,10 +375,10 @@ class Backoff:
         for k in itertools.count():
             d = min(self.max_s, self.first_s * 2 ** min(k, 64))
             delay = random.uniform(d / 2, d)
-            # Counted in the waits themselves as well as the clock, so time spent in calls counts too.
-            if (self.retries is not None and k >= self.retries) or max(
-                time.monotonic(), start + slept
-            ) + delay > start + self.for_s:
+            if self.retries is not None and k >= self.retries:
+                return
+            # The waits count as well as the clock: the calls between them take time too.
+            if max(time.monotonic(), start + slept) + delay > start + self.for_s:
                 return
             slept += delay
             yield delay
