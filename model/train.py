@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minilm_embed.model.checkpoints import restore, save
+from minilm_embed.model.checkpoints import restore, resumable, save
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import DataError
 from minilm_embed.model.encoder import Encoder
@@ -144,7 +144,7 @@ def init_weights(module: nn.Module) -> None:
 def build_model(args: argparse.Namespace) -> tuple[Encoder, Path, str]:
     """The encoder to train, the tokenizer.json it reads, and the name to save it under."""
     if args.resume is not None:
-        model, ckpt = load_checkpoint(args.resume)
+        model, ckpt = load_checkpoint(resumable(args.resume))
         return model, args.resume / "tokenizer.json", ckpt.model_id
     weights = args.weights or default_weights_dir()
     if args.init == "default":

@@ -142,3 +142,48 @@ def test_bad_training_data_exits_2_with_one_line_and_no_traceback(tmp_path: Path
     assert done.returncode == 2
     assert done.stderr == f"train: error: {data}:2: not UTF-8 (byte 0xe9 at column 16)\n"
     assert done.stdout == ""
+
+
+def test_a_run_killed_while_saving_keeps_the_last_whole_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving steps 3 and 6 into one --out: killed after step 6's weights but before its optimizer
+    state, the directory still holds step 3 whole (weights and state of one step), and resumes."""
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--max-steps", "6", "--eval-every", "3"]
+    out = tmp_path / "ckpt"
+    assert train.main([*args, "--max-steps", "3", "--out", str(out)]) == 0
+    step_3 = load_file(str(out / "model.safetensors"))
+
+    real_save = torch.save
+
+    def killed(obj: object, f: object, *a: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([*args, "--resume", str(out), "--out", str(out)])
+    monkeypatch.setattr(torch, "save", real_save)
+
+    kept = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(step_3[k], kept[k]) for k in step_3), "step 3's weights were overwritten"
+    assert torch.load(out / checkpoints.STATE_FILE, weights_only=True)["step"] == 3
+    assert train.main([*args, "--resume", str(out), "--out", str(out)]) == 0
+    assert torch.load(out / checkpoints.STATE_FILE, weights_only=True)["step"] == 6
+    assert not any(p.name.startswith("ckpt.") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_a_run_stopped_between_the_renames_names_the_checkpoint_to_resume(tmp_path: Path) -> None:
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--max-steps", "2"]
+    assert train.main([*args, "--out", str(tmp_path / "ckpt")]) == 0
+    (tmp_path / "ckpt").rename(tmp_path / "ckpt.previous")
+    done = subprocess.run(
+        [sys.executable, "-m", "minilm_embed.model.train", *args, "--resume", str(tmp_path / "ckpt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "ckpt.previous holds the last whole checkpoint" in done.stderr, done.stderr
