@@ -438,3 +438,27 @@ def test_an_unreachable_server_is_said_while_retried_not_a_silent_hang(tmp_path)
         done.stderr
     )  # said once, not per retry
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl"])
+@pytest.mark.parametrize(
+    ("first", "then", "message"),
+    [
+        (["--no-normalize"], [], "its rows are not normalised: resume it with --no-normalize"),
+        ([], ["--no-normalize"], "its rows are normalised: resume it without --no-normalize"),
+    ],
+)
+def test_a_resume_with_the_other_normalisation_is_refused(server, tmp_path, suffix, first, then, message):
+    """The file would hold length-1 rows above pooled ones (or the reverse), and nothing would say so."""
+    path, out = tmp_path / "in.txt", tmp_path / f"v{suffix}"
+    path.write_text("".join(t + "\n" for t in corpus(3)), encoding="utf-8")
+    assert embed_file(server, str(path), "--out", str(out), *first).returncode == 0
+    before = out.read_bytes()
+    path.write_text("".join(t + "\n" for t in corpus(6)), encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume", *then)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
+    assert out.read_bytes() == before
+    done = embed_file(server, str(path), "--out", str(out), "--resume", *first)
+    assert done.returncode == 0, done.stderr
+    assert rows_on_disk(out) == 6
