@@ -12,12 +12,13 @@ SERVER_EXTRA = {"onnxruntime", "tokenizers", "zmq", "prometheus_client", "grpc_h
 
 def serve_command() -> int:
     """The `minilm-embed-serve` console script: `minilm-embed-serve`, or what to install for it."""
+    from minilm_embed.server.__main__ import main
+
     try:
-        from minilm_embed.server.__main__ import main
+        return main()  # which imports the server's modules first thing
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] not in SERVER_EXTRA:
             raise
         install = "pip install 'minilm-embed[server]'"
         print(f"minilm-embed-serve: error: {e}; the server needs: {install}", file=sys.stderr)
         return 2
-    return main()

@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from minilm_embed.server.app import StartupError, configure_process, serve
-from minilm_embed.server.backend import ModelRepositoryError
-from minilm_embed.server.config import ConfigError, load_config
-from minilm_embed.server.engine import BackendFactory, onnx_backend
-from minilm_embed.server.security import SecurityConfigError
+from minilm_embed.server import signals
+
+if TYPE_CHECKING:
+    from minilm_embed.server.engine import BackendFactory
 
 
-def main(argv: list[str] | None = None, backend_factory: BackendFactory = onnx_backend) -> int:
+def main(argv: list[str] | None = None, backend_factory: BackendFactory | None = None) -> int:
     """Exit status: 0 after a drain, 1 when the engine died, 2 for a setting or file that cannot be used.
 
     `backend_factory` is how tests and benchmarks put a stand-in model behind the real server; no
-    flag reaches it.
+    flag reaches it. The server's modules are imported after the stop signals are caught (signals.py).
     """
+    signals.catch()
+    from minilm_embed.server.app import StartupError, configure_process, serve
+    from minilm_embed.server.backend import ModelRepositoryError
+    from minilm_embed.server.config import ConfigError, load_config
+    from minilm_embed.server.engine import onnx_backend
+    from minilm_embed.server.security import SecurityConfigError
+
     try:
         config = load_config(argv, os.environ)
         configure_process(config)
-        return serve(config, backend_factory)
+        return serve(config, backend_factory or onnx_backend)
     except (ConfigError, ModelRepositoryError, SecurityConfigError, StartupError, ValueError, OSError) as e:
         print(f"server: error: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from typing import Any
 from prometheus_client import multiprocess
 
 from minilm_embed.model.repository import CUDA_PROVIDER
+from minilm_embed.server import signals
 from minilm_embed.server.backend import usable_cores, wanted_providers
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.engine import BackendFactory, onnx_backend, run_engine
@@ -186,7 +187,7 @@ class Supervisor:
     def watch(self, wakeup: int, stop: list[int]) -> int:
         """Until a signal (0) or the engine's end (1): restart fronts that die, handle events."""
         assert self.engine is not None
-        while True:
+        while not stop:
             fronts = {p.sentinel: i for i, p in self.fronts.items()}
             ready = wait([wakeup, self.engine.sentinel, *fronts, *self.events], self._until_restart())
             for item in ready:
@@ -200,9 +201,9 @@ class Supervisor:
                     return 1
                 elif item in fronts:
                     self._front_died(fronts[item])
-            if stop:
-                return 0
-            self._restart_due()
+            if not stop:
+                self._restart_due()
+        return 0
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -263,11 +264,16 @@ class Supervisor:
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
-        if self.engine is not None:
+        if self.engine is not None and self.facts is None and self.engine.is_alive():
+            # Still loading or warming up (a rollout's SIGTERM during a slow start): no front is left
+            # that could use it and it holds nothing to finish, so it is not waited for.
+            log.info("the engine was still starting: stopped without waiting for it")
+            self.engine.kill()
+            self.engine.join()
+        elif self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
-        # Stopped before it ever served (a rollout's SIGTERM during a slow start: an engine still
-        # loading is killed after STOP_MARGIN_S): no call was accepted, so none was lost.
+        # Stopped before it ever served: no call was accepted, so none was lost.
         served = self.announced or self.serving
         return 0 if all(code == 0 for code in codes) or not served else 1
 
@@ -312,12 +318,10 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
         serve_metrics,
     )
 
-    stop: list[int] = []
     wakeup_read, wakeup_write = os.pipe()
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: stop.append(signum))
+    stop = signals.catch()  # holds any signal that came while the server was still importing
     if supervisor.config.metrics_address:  # first: a port in use fails here, before any child starts
         registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
         host = supervisor.config.metrics_address.rpartition(":")[0] or "0.0.0.0"

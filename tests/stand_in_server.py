@@ -3,6 +3,7 @@ run that is not the production one. Nothing in `minilm-embed-serve` can start th
 
     python -m tests.stand_in_server instant <server flags>      # an instant stand-in model (bench/)
     python -m tests.stand_in_server fault TEXT <server flags>   # the real model; a batch holding TEXT fails
+    python -m tests.stand_in_server slow-start S <server flags> # the real model, loaded S seconds late
 
 The fault server also holds (sleeps HOLD_S in) any batch holding HOLD_TEXT: a test that needs inputs
 to wait in the queue first keeps a model instance busy with it (an idle server runs a lone input at
@@ -78,10 +79,18 @@ def faulty_backend(fault_text: str, config: ServerConfig, repo: ModelRepository)
     return FaultyBackend(onnx_backend(config, repo), fault, hold)
 
 
+def slow_backend(seconds: float, config: ServerConfig, repo: ModelRepository) -> Backend:
+    """The real backend after `seconds`: a GPU engine loading its graphs and CUDA for that long."""
+    time.sleep(seconds)
+    return onnx_backend(config, repo)
+
+
 if __name__ == "__main__":
     kind, rest = sys.argv[1], sys.argv[2:]
     if kind == "instant":
         sys.exit(main(rest, InstantBackend))
     if kind == "fault":
         sys.exit(main(rest[1:], functools.partial(faulty_backend, rest[0])))
+    if kind == "slow-start":
+        sys.exit(main(rest[1:], functools.partial(slow_backend, float(rest[0]))))
     sys.exit(f"usage: {__doc__}")

@@ -12,6 +12,8 @@ import os
 import random
 import signal
 import string
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -26,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server.app import STOP_MARGIN_S
 from tests.reference import Reference
 from tests.server_process import (
     ServerProcess,
@@ -175,6 +178,36 @@ def test_sigterm_while_the_server_starts_up_stops_it_cleanly(after_s):
     process.terminate()
     assert process.wait(60) == 0, "".join(process.lines[-20:])
     assert "Traceback" not in "".join(process.lines)
+
+
+def test_the_stop_signals_are_caught_before_the_server_imports_its_second_of_modules():
+    """What `python -m minilm_embed.server` runs before main() catches SIGTERM must stay light, or a
+    SIGTERM in that second kills the server by the signal instead of stopping it (exit 0)."""
+    code = (
+        "import sys, minilm_embed.server.__main__; "
+        "heavy = [m for m in ('grpc', 'numpy', 'onnxruntime', 'zmq') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_sigterm_while_the_engine_loads_stops_the_server_without_waiting_for_the_load():
+    """A GPU engine can take minutes to load: a SIGTERM then must not wait for it (nor for
+    STOP_MARGIN_S before a kill), since nothing was served and nothing can be lost."""
+    process = start_server(
+        "--front-processes", str(FRONTS), entry=("tests.stand_in_server", "slow-start", "60")
+    )
+    try:
+        time.sleep(3.0)  # the fronts up and waiting for the engine, which loads for 60 s
+        stopped = time.monotonic()
+        process.terminate()
+        assert process.wait(30) == 0, "".join(process.lines[-20:])
+        assert time.monotonic() - stopped < STOP_MARGIN_S, "waited for the loading engine"
+        assert any("the engine was still starting" in line for line in process.lines), process.lines[-20:]
+        assert not any("did not stop in time" in line for line in process.lines), process.lines[-20:]
+    finally:
+        process.stop()
 
 
 def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(reference):

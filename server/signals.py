@@ -1,0 +1,26 @@
+"""The server's stop signals, caught from its first moment.
+
+Importing the server takes about a second (grpc, numpy, ONNX Runtime's bindings; 0.9 s on an idle
+Zen 5). A rollout that stops a pod it has just started must get the same clean stop, exit 0, as one
+that stops it later, not a death by the signal's default action. `main` catches the signals before
+it imports the rest; the supervisor reads what was caught and goes on catching into the same list.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+received: list[int] = []
+
+
+def catch() -> list[int]:
+    """From now on SIGTERM and SIGINT are recorded in the list returned (and nothing else)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _record)
+    return received
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    received.append(signum)
