@@ -91,10 +91,14 @@ class Tokenizer:
         self._full.no_truncation()
 
     @property
-    def end_id(self) -> int | None:
-        """The special token the tokenizer ends every sequence with ([SEP] for BERT), or None."""
+    def frame(self) -> tuple[int, int] | None:
+        """The special tokens the tokenizer starts and ends every sequence with ([CLS], [SEP] for
+        BERT), or None for a tokenizer that adds no such pair."""
         ids = self._full.encode("").ids  # the specials alone: [CLS] [SEP]
-        return int(ids[-1]) if ids else None
+        return (int(ids[0]), int(ids[-1])) if len(ids) == 2 else None
+
+    def token(self, token_id: int) -> str:
+        return self._full.id_to_token(token_id) or str(token_id)
 
     @property
     def vocab_size(self) -> int:

@@ -50,7 +50,11 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.limits = limits
         self.vocab_size = tokenizer.vocab_size
-        self.end_id = tokenizer.end_id
+        self.frame = tokenizer.frame
+        self.frame_text = ""
+        if self.frame is not None:
+            (start, end), token = self.frame, tokenizer.token
+            self.frame_text = f"{token(start)} ({start}) and end with {token(end)} ({end})"
 
     def check_count(self, count: int) -> None:
         if count == 0:
@@ -110,6 +114,7 @@ class RequestTokenizer:
                     f"input {i}: token id {ids[j]} at position {j} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+            self._check_frame(row, i)
             rows.append(self._cut(row, limit))
         original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         lengths = np.minimum(original, limit).astype(np.int32)
@@ -119,10 +124,23 @@ class RequestTokenizer:
             self._refuse_long(prepared)
         return prepared
 
+    def _check_frame(self, row: np.ndarray, i: int) -> None:
+        """Ids are taken as Tokenize gives them, [CLS] ... [SEP]. Ids without that frame are another
+        tokenizer's (LangChain's OpenAIEmbeddings sends tiktoken's by default) or a text's without
+        its specials, and would be embedded as valid ids of this vocabulary: silently wrong vectors
+        (cosine 0.13 against the text for tiktoken's "hello world", 0.53 for the text's own ids
+        without [CLS] and [SEP])."""
+        if self.frame is None or (row[0], row[-1]) == self.frame:
+            return
+        raise InvalidInput(
+            f"input {i}: token ids must start with {self.frame_text}, as Tokenize returns them; these "
+            f"start with {row[0]} and end with {row[-1]}. Ids of another tokenizer give wrong vectors: "
+            "send texts (for LangChain's OpenAIEmbeddings, check_embedding_ctx_length=False)"
+        )
+
     def _cut(self, row: np.ndarray, limit: int) -> np.ndarray:
-        """The first `limit` ids; a sequence that ends as the tokenizer ends one (Tokenize's ids with
-        truncate=false) keeps that end, as a text cut by the tokenizer does: [CLS] ... [SEP]."""
-        if row.size <= limit or self.end_id is None or row[-1] != self.end_id:
+        """The first `limit` - 1 ids and the last ([SEP]), as a text cut by the tokenizer is cut."""
+        if row.size <= limit or self.frame is None:
             return row[:limit]
         return np.concatenate([row[: limit - 1], row[-1:]])
 

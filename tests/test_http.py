@@ -121,6 +121,22 @@ def test_langchain_openai_embeddings_equal_grpc(server, grpc_vectors):
     assert_close(query, grpc_vectors[1:2])
 
 
+def test_langchain_as_the_readme_sets_it_up_embeds_more_documents_than_one_request_holds(server, grpc_client):
+    """LangChain sends 1,000 texts a request by default; README's chunk_size keeps each request within
+    the server's limit, and the rows come back in order."""
+    texts = [f"{i}: {SHORT[i % len(SHORT)]}" for i in range(2 * MAX_INPUTS + 5)]
+    settings = dict(
+        model="m", base_url=server.http_url + "/v1", api_key=TOKEN, check_embedding_ctx_length=False
+    )
+    with pytest.raises(openai.BadRequestError, match=f"max_inputs_per_request={MAX_INPUTS}"):
+        OpenAIEmbeddings(**settings, max_retries=0).embed_documents(texts)  # type: ignore[arg-type]
+    chunked = OpenAIEmbeddings(**settings, chunk_size=MAX_INPUTS, max_retries=0)  # type: ignore[arg-type]
+    want = np.concatenate(
+        [grpc_client.embed(texts[i : i + MAX_INPUTS]) for i in range(0, len(texts), MAX_INPUTS)]
+    )
+    assert_close(np.array(chunked.embed_documents(texts)), want)
+
+
 def test_a_lone_call_is_not_held_by_delayed_acks(server):
     """Without TCP_NODELAY on the front's connections, every call waited ~40 ms for a delayed ACK
     between the response's header and body writes (a 1-input call takes well under 20 ms here)."""
@@ -162,6 +178,12 @@ def test_models_lists_the_served_model(server):
         ({"input": [[101], [True]]}, "input", ["input 1", "position 0 is a boolean True"]),
         ({"input": [[101, 2**63]]}, "input", ["token id 9223372036854775808 at position 1", "vocabulary"]),
         ({"input": [[101, 999_999]]}, "input", ["999999", "[0, 30522)"]),
+        # What LangChain's OpenAIEmbeddings sends by default: tiktoken's ids, valid ids of this vocabulary.
+        (
+            {"input": [[15339, 1917]]},
+            "input",
+            ["must start with [CLS] (101)", "check_embedding_ctx_length=False"],
+        ),
         ({"input": {"text": "a"}}, "input", ["an object"]),
         ({"input": "a", "dimensions": 128}, "dimensions", ["128", f"{DIMENSIONS}"]),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format", ["'hex'", "float or base64"]),

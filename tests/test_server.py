@@ -194,8 +194,8 @@ def test_over_long_token_ids_are_cut_as_a_text_is_keeping_the_end_token(client):
     usage = response.embeddings[0].usage
     assert (usage.tokens, usage.truncated, usage.original_tokens) == (256, True, 414)
     assert np.allclose(to_array(response), client.embed([LONG]), atol=1e-6)
-    unended = whole[:-1]  # no end token: cut as given
-    assert not np.allclose(client.embed_ids([unended]), client.embed([LONG]), atol=1e-3)
+    with pytest.raises(InvalidInput, match=r"must start with \[CLS\] \(101\) and end with \[SEP\]"):
+        client.embed_ids([whole[:-1]])  # cut by the caller without its end token
 
 
 def test_order_is_kept_within_a_request_of_many_inputs(client, reference):
@@ -256,7 +256,7 @@ INVALID = {
         r"input 1 has 414 tokens, over the limit max_input_tokens=256",
     ),
     "token ids too long, no truncation": (
-        pb.EmbedRequest(token_ids=_ids([1000] * 300), truncate=False),
+        pb.EmbedRequest(token_ids=_ids([101, *[1000] * 298, 102]), truncate=False),
         r"input 0 has 300 tokens, over the limit max_input_tokens=256",
     ),
     "negative token id": (
@@ -266,6 +266,15 @@ INVALID = {
     "token id past the vocabulary": (
         pb.EmbedRequest(token_ids=_ids([101, VOCAB, 102])),
         r"input 0: token id 30522 at position 1 is outside the vocabulary",
+    ),
+    "another tokenizer's ids (tiktoken's for 'hello world')": (
+        pb.EmbedRequest(token_ids=_ids([101, 7592, 2088, 102], [15339, 1917])),
+        r"input 1: token ids must start with \[CLS\] \(101\) and end with \[SEP\] \(102\), as Tokenize "
+        r"returns them; these start with 15339 and end with 1917.*check_embedding_ctx_length=False",
+    ),
+    "a text's ids without [CLS] and [SEP]": (
+        pb.EmbedRequest(token_ids=_ids([7592, 2088])),
+        r"input 0: token ids must start with \[CLS\]",
     ),
     "text over max_text_chars": (
         pb.EmbedRequest(texts=["x" * 200_001]),

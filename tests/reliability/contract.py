@@ -19,6 +19,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server.config import ServerConfig
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+FRAME = (101, 102)  # [CLS] ... [SEP]: what every token-id input must start and end with
 REQUESTS: dict[str, Any] = {
     "Embed": pb.EmbedRequest,
     "Tokenize": pb.TokenizeRequest,
@@ -120,6 +121,8 @@ class Contract:
                 problem = Expect(INVALID, "empty token-id sequence")
             elif any(not 0 <= t < self.limits.vocab_size for t in ids):
                 problem = Expect(INVALID, f"outside the vocabulary [0, {self.limits.vocab_size})")
+            elif (ids[0], ids[-1]) != FRAME:
+                problem = Expect(INVALID, "token ids must start with [CLS] (101) and end with [SEP] (102)")
         if problem is None and not truncate and any(len(ids) > self.limits.max_input_tokens for ids in rows):
             problem = self._too_long()
         return problem or OK

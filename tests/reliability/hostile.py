@@ -52,7 +52,8 @@ STREAM = [
 ]
 IDS = pb.EmbedRequest(
     token_ids=[
-        pb.TokenIds(ids=np.random.default_rng(i).integers(1000, 30000, 256).tolist()) for i in range(256)
+        pb.TokenIds(ids=[101, *np.random.default_rng(i).integers(1000, 30000, 254).tolist(), 102])
+        for i in range(256)
     ]
 )
 

@@ -70,6 +70,7 @@ OPTIONAL = [
 EDGE_IDS = [-1, 0, LIMITS.vocab_size - 1, LIMITS.vocab_size, 2**63 - 1, -(2**63)]
 token_ids = st.one_of(
     st.lists(st.integers(0, LIMITS.vocab_size - 1), max_size=12),
+    st.lists(st.integers(0, LIMITS.vocab_size - 1), max_size=12).map(lambda ids: [101, *ids, 102]),
     st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=4),
     st.lists(st.sampled_from(EDGE_IDS), max_size=4),
 )
@@ -177,7 +178,7 @@ def edge_cases() -> list[Case]:
         return Case("Embed", pb.EmbedRequest(**fields).SerializeToString())
 
     big = LIMITS.max_text_chars
-    long_ids = [pb.TokenIds(ids=[1000] * 100_000)]
+    long_ids = [pb.TokenIds(ids=[101, *[1000] * 99_998, 102])]
     return [
         embed(texts=["a" * big]),  # exactly the limit: embedded, truncated at 256 tokens
         embed(texts=["word " * (big // 5)], truncate=False),
