@@ -98,6 +98,11 @@ class ModelCard:
     created: int  # Unix seconds: when the model repository was written
     dimensions: int
 
+    def named(self, asked: str) -> bool:
+        """Its id, or the id's last part ("all-MiniLM-L6-v2" for "sentence-transformers/all-MiniLM-L6-v2"),
+        the name clients are shown using."""
+        return asked in (self.id, self.id.rpartition("/")[2])
+
     @property
     def owned_by(self) -> str:
         return self.id.partition("/")[0] if "/" in self.id else "minilm-embed"
@@ -160,6 +165,7 @@ class HttpApi:
         inputs = [0]  # for the latency's size class, once the body is read
 
         async def embed() -> Response:
+            check_encoding(request.headers.get("content-encoding", "identity"))
             body = await read_body(request, self.max_body)
             # Held against the front's request bytes while parsed and tokenized, as gRPC's are.
             with self.embedder.receiving(len(body)) as held:
@@ -183,7 +189,7 @@ class HttpApi:
     async def model(self, request: Request) -> Response:
         async def one() -> Response:
             asked = request.path_params["model"]
-            if asked != self.card.id:
+            if not self.card.named(asked):
                 return _model_not_found(asked, self.card.id)
             return json_response(self._model())
 
@@ -275,11 +281,20 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def check_encoding(encoding: str) -> None:
+    """Bodies are read as sent: a compressed one would only fail as "not JSON", which hides why."""
+    if encoding.strip().lower() != "identity":
+        raise InvalidInput(
+            f"the request body has Content-Encoding: {encoding}, which this server does not decode; "
+            "send it uncompressed"
+        )
+
+
 def parse_embeddings(body: bytes, card: ModelCard) -> EmbeddingsRequest:
     try:
         fields = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"the request body is not valid JSON: {e}") from None
+        raise InvalidInput(f"the request body is not valid JSON: {_json_error(body, e)}") from None
     if not isinstance(fields, dict):
         raise InvalidInput(f"the request body must be a JSON object, not {_kind(fields)}")
     if "input" not in fields:
@@ -289,6 +304,15 @@ def parse_embeddings(body: bytes, card: ModelCard) -> EmbeddingsRequest:
     check_dimensions(fields.get("dimensions"), card)
     texts, token_ids = parse_input(fields["input"])
     return EmbeddingsRequest(EmbedJob(texts, token_ids), parse_format(fields.get("encoding_format")))
+
+
+def _json_error(body: bytes, error: orjson.JSONDecodeError) -> str:
+    """orjson's message, unless the body is not UTF-8 at all (orjson then speaks of surrogates)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"it is not UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start})"
+    return str(error)
 
 
 def parse_input(value: object) -> tuple[list[str], list[list[int]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gzip
 import socket
 import threading
 import time
@@ -161,6 +162,23 @@ def test_models_lists_the_served_model(server):
         openai_client(server).models.retrieve("text-embedding-3-small")
     assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
     assert "`text-embedding-3-small` does not exist" in e.value.message
+    # The name README's examples embed with: the id's last part.
+    assert openai_client(server).models.retrieve("all-MiniLM-L6-v2") == models[0]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "named"),
+    [
+        (gzip.compress(b'{"input": "hello"}'), {"Content-Encoding": "gzip"}, "Content-Encoding: gzip"),
+        (b'{"input": "caf\xe9"}', {}, "not UTF-8 (byte 0xe9 at offset 14)"),
+    ],
+)
+def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, headers, named):
+    """Not orjson's "surrogates not allowed" for a Latin-1 or a compressed body."""
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **headers}
+    response = httpx.post(server.http_url + "/v1/embeddings", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"], response.text
 
 
 # Errors: OpenAI's shape, the status matching gRPC's, the limit and the value named ------------------
