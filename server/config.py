@@ -56,6 +56,9 @@ class ServerConfig:
     # Bytes of requests being parsed and tokenized, per front process: bounds the event loop's
     # parsing work and the memory requests hold (a refused request is not parsed).
     max_request_bytes_in_flight: int = 8 * 1024 * 1024
+    # Bytes of requests not yet answered, per front process: each keeps its bytes, parsed message and
+    # strings (2-3x its size) until answered, whatever the queue limit (which counts inputs) allows.
+    max_request_bytes_held: int = 64 * 1024 * 1024
     max_stream_in_flight: int = 64
     max_concurrent_streams: int = 1024
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).
@@ -92,6 +95,7 @@ class ServerConfig:
             "max_text_chars",
             "max_tokenizing_chars",
             "max_request_bytes_in_flight",
+            "max_request_bytes_held",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -100,6 +104,12 @@ class ServerConfig:
             raise ValueError(
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}) must be at least "
                 f"max_message_bytes ({self.max_message_bytes}), or a largest request could never fit"
+            )
+        if self.max_request_bytes_held < self.max_request_bytes_in_flight:
+            raise ValueError(
+                f"max_request_bytes_held ({self.max_request_bytes_held}) must be at least "
+                f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}): requests being "
+                "handled are held too"
             )
         for name in ("max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
@@ -150,6 +160,11 @@ _HELP = {
     "max_request_bytes_in_flight": (
         "bytes of requests being parsed and tokenized per front process; beyond it requests get "
         "RESOURCE_EXHAUSTED before they are parsed (at least max_message_bytes)"
+    ),
+    "max_request_bytes_held": (
+        "bytes of requests not yet answered per front process (each keeps its bytes, parsed message "
+        "and strings until answered); beyond it requests get RESOURCE_EXHAUSTED before they are "
+        "parsed (at least max_request_bytes_in_flight)"
     ),
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
     "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",

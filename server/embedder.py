@@ -62,6 +62,7 @@ class Embedder:
         readiness: Readiness,
         budget: Budget,
         request_bytes: Budget,
+        held_bytes: Budget,
         tokenizer_threads: int = 1,
         tracer: RequestTracer | None = None,
     ) -> None:
@@ -71,15 +72,34 @@ class Embedder:
         self.readiness = readiness
         self.budget = budget
         self.request_bytes = request_bytes
+        self.held_bytes = held_bytes
         self.tracer = tracer
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
 
     def receiving(self, size: int) -> Hold:
-        """Hold a request's `size` bytes until it is tokenized; refused at once past the budget."""
+        """Hold a request's `size` bytes until it is tokenized (`release`) and until it is answered
+        (`close`); refused at once past either budget."""
         try:
-            return self.request_bytes.hold(size)
+            held = self.held_bytes.hold(size)
         except Overloaded:
-            self.metrics.refusals.labels("request_bytes").inc()
+            self.metrics.refusals.labels("request_bytes_held").inc()
+            raise
+        try:
+            return self.request_bytes.hold(size).keeping(held)
+        except BaseException as e:
+            held.close()
+            if isinstance(e, Overloaded):
+                self.metrics.refusals.labels("request_bytes").inc()
+            raise
+
+    async def waiting_to_receive(self, size: int) -> Hold:
+        """`receiving`, waiting for room instead of refusing (a stream's reader, which meanwhile reads
+        no further). Whatever its size it fits once nothing else is held."""
+        held = await self.held_bytes.wait_for(size)
+        try:
+            return (await self.request_bytes.wait_for(size)).keeping(held)
+        except BaseException:
+            held.close()
             raise
 
     async def embed(self, job: EmbedJob, received: Hold | None = None) -> Embedded:

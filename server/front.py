@@ -42,7 +42,7 @@ from minilm_embed.model.repository import (
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__, logs, protocol
-from minilm_embed.server.budget import Budget, request_bytes_budget, tokenizing_budget
+from minilm_embed.server.budget import Budget, held_bytes_budget, request_bytes_budget, tokenizing_budget
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
@@ -185,6 +185,7 @@ def create_front(
         readiness,
         tokenizing_budget(config.max_tokenizing_chars),
         request_bytes_budget(config.max_request_bytes_in_flight),
+        held_bytes_budget(config.max_request_bytes_held),
         tracer=tracer,
     )
     service = EmbeddingService(embedder, metrics, config.max_stream_in_flight, config.max_message_bytes)
@@ -342,7 +343,8 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     parent = multiprocessing.parent_process()
     if parent is not None:
         loop.add_reader(parent.sentinel, stop.set)  # the supervisor is gone: stop too
-    reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder.request_bytes))
+    # Every request is asked of the held budget first, admitted or refused.
+    reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder.held_bytes))
     starting = asyncio.create_task(start(front))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)

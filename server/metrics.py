@@ -37,7 +37,7 @@ DROP_REASONS = ("deadline", "cancelled", "failed")
 # What refused a request at once: the engine's queue (--queue-limit), or one of a front's budgets:
 # bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
 # (--max-tokenizing-chars). The first says the model is saturated, the others the fronts.
-REFUSAL_REASONS = ("queue", "request_bytes", "tokenizing")
+REFUSAL_REASONS = ("queue", "request_bytes", "request_bytes_held", "tokenizing")
 
 
 def size_class(inputs: int) -> str:

@@ -240,7 +240,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                     await slots.acquire()  # stop reading while the stream has N items unwritten
                     # A stream waits for room in the front's request bytes (reads no further)
                     # rather than refusing an item it could not name before parsing it.
-                    start(data, await self.embedder.request_bytes.wait_for(len(data)))
+                    start(data, await self.embedder.waiting_to_receive(len(data)))
                 if tasks:
                     await asyncio.gather(*tasks)
             finally:

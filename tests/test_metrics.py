@@ -25,7 +25,7 @@ from prometheus_client.samples import Sample
 from minilm_embed.client.client import EmbeddingClient, embed_request
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows
-from minilm_embed.server.budget import request_bytes_budget, tokenizing_budget
+from minilm_embed.server.budget import held_bytes_budget, request_bytes_budget, tokenizing_budget
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.errors import Dropped, Overloaded
 from minilm_embed.server.http import METHODS as HTTP_METHODS
@@ -170,9 +170,9 @@ class _Checked:
 
 
 def budget_embedder(metrics: Metrics) -> Embedder:
-    """An Embedder with small budgets (100 characters being tokenized, 100 bytes of requests); the
-    tokenizer and engine are never reached by the refusals tested."""
-    budgets = tokenizing_budget(100), request_bytes_budget(100)
+    """An Embedder with small budgets (100 characters being tokenized, 100 bytes of requests being
+    handled, 150 not yet answered); the tokenizer and engine are never reached by the refusals tested."""
+    budgets = tokenizing_budget(100), request_bytes_budget(100), held_bytes_budget(150)
     return Embedder(_Checked(), None, metrics, None, *budgets)  # type: ignore[arg-type]
 
 
@@ -187,6 +187,25 @@ def test_a_fronts_budgets_count_their_refusals_by_reason_not_as_a_full_queue() -
     assert value(m, "embed_requests_refused_total", reason="request_bytes") == 1
     assert value(m, "embed_requests_refused_total", reason="tokenizing") == 1
     assert value(m, "embed_requests_refused_total", reason="queue") == 0
+
+
+def test_requests_waiting_for_their_answers_hold_their_bytes_until_answered() -> None:
+    """The queue limit counts inputs; a front's memory is what its unanswered requests hold (their
+    bytes, parsed messages, strings), so that is bounded too, and freed by the answer."""
+    m = Metrics(CollectorRegistry())
+    embedder = budget_embedder(m)
+    first, second = embedder.receiving(60), embedder.receiving(40)
+    first.release(), second.release()  # tokenized: waiting for the engine
+    assert embedder.request_bytes.in_use == 0 and embedder.held_bytes.in_use == 100
+    with pytest.raises(Overloaded, match="max_request_bytes_held"):
+        embedder.receiving(60)  # room to parse it, none to keep it
+    first.close()  # answered
+    with embedder.receiving(60):
+        assert embedder.held_bytes.in_use == 100
+    second.close()
+    assert embedder.held_bytes.in_use == 0 and embedder.request_bytes.in_use == 0
+    assert value(m, "embed_requests_refused_total", reason="request_bytes_held") == 1
+    assert value(m, "embed_requests_refused_total", reason="request_bytes") == 0
 
 
 def test_docs_describe_every_exported_metric() -> None:

@@ -505,6 +505,43 @@ def test_backend_failure_fails_only_the_request_holding_the_input(fault_server, 
         assert_close(c.embed(SHORT[:2]), reference.embed(SHORT[:2]))
 
 
+def test_requests_waiting_for_the_model_are_bounded_by_their_bytes_not_only_by_their_inputs(reference):
+    """Each waiting request keeps its bytes, parsed message and strings in the front until answered;
+    the queue limit counts inputs, so 4,096 one-input requests of 400 kB would have held ~5 GB. Past
+    --max-request-bytes-held the rest are refused at once, naming it; what was held is answered."""
+    text = " ".join(SHORT) * 40  # ~80 kB: cut at 256 tokens, but kept whole while it waits
+    limit = 1_000_000
+    settings = {
+        "model_instances": 1,
+        "max_message_bytes": 200_000,
+        "max_request_bytes_in_flight": 200_000,
+        "max_request_bytes_held": limit,
+    }
+    with serving(*flags(settings), entry=fault_entry(FAULT)) as process:
+
+        async def behind_a_busy_instance() -> list:
+            # One after another (each is tokenized in milliseconds): what fills is the held budget,
+            # not the one for requests being parsed and tokenized at once.
+            async with one_instance_held(process.address), AsyncEmbeddingClient(process.address, 60) as c:
+                calls = []
+                for _ in range(30):
+                    calls.append(asyncio.ensure_future(c.embed_response(embed_request([text]))))
+                    await asyncio.sleep(0.04)
+                return await asyncio.gather(*calls, return_exceptions=True)
+
+        outcomes = asyncio.run(behind_a_busy_instance())
+        refused = [o for o in outcomes if status(o) == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        served = [o for o in outcomes if status(o) == grpc.StatusCode.OK]
+        assert len(served) + len(refused) == 30, [status(o) for o in outcomes]
+        assert served and 30 * len(text) > limit
+        assert len(served) * len(text) <= limit, f"{len(served)} requests of {len(text)} bytes held at once"
+        held = [o for o in refused if "max_request_bytes_held" in o.details()]
+        assert held, [o.details() for o in refused]
+        assert f"max_request_bytes_held is {limit}" in held[0].details()
+        assert metric(process, "embed_requests_refused_total", reason="request_bytes_held") == len(held)
+        assert_close(to_array(served[0]), reference.embed([text]))
+
+
 def test_server_keeps_serving_after_a_request_with_several_failing_inputs(fault_server, reference):
     with EmbeddingClient(fault_server.address, timeout=30) as c:
         with pytest.raises(grpc.RpcError) as e:

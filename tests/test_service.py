@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
-from minilm_embed.server.budget import request_bytes_budget
-from minilm_embed.server.embedder import Embedded
+from minilm_embed.server.budget import held_bytes_budget, request_bytes_budget
+from minilm_embed.server.embedder import Embedded, Embedder
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.service import DEADLINE_SLACK_S, EmbeddingService, _cancelled_code, _response
 from minilm_embed.server.tokenization import Prepared
@@ -92,7 +92,14 @@ class InstantEmbedder:
 
     def __init__(self) -> None:
         self.request_bytes = request_bytes_budget(1 << 20)
+        self.held_bytes = held_bytes_budget(1 << 22)
         self.tracer = None
+        self.tokenizer = self  # its count check: every count passes
+
+    def check_count(self, count: int) -> None:
+        pass
+
+    waiting_to_receive = Embedder.waiting_to_receive
 
     async def embed(self, job, held) -> Embedded:
         held.release()
@@ -130,6 +137,7 @@ def test_a_stream_cancelled_as_it_reads_an_item_gives_back_the_items_request_byt
 
     asyncio.run(main())
     assert (embedder.request_bytes.in_use, embedder.request_bytes.open) == (0, 0)
+    assert (embedder.held_bytes.in_use, embedder.held_bytes.open) == (0, 0)
 
 
 def test_a_stream_whose_caller_does_not_read_stops_reading_its_items():
