@@ -28,6 +28,9 @@ class ServerConfig:
     address: str = "0.0.0.0:50051"
     # OpenAI-compatible HTTP API (server/http.py) beside gRPC, on the same engine; empty: off.
     http_address: str = "0.0.0.0:8080"
+    # How long an HTTP request body may take to arrive; its bytes are held against the front's budgets
+    # meanwhile, so a stalled upload must end (408), not hold them for good.
+    http_body_timeout_s: float = 30.0
     model_dir: Path = Path("build/model")
     device: Device = "auto"
     # auto: the provider's first graph (fp32 on the CPU); int8 is an opt-in on the CPU provider.
@@ -111,6 +114,8 @@ class ServerConfig:
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}): requests being "
                 "handled are held too"
             )
+        if self.http_body_timeout_s <= 0:
+            raise ValueError(f"http_body_timeout_s must be more than 0, not {self.http_body_timeout_s}")
         for name in ("max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
@@ -140,6 +145,10 @@ _HELP = {
     "http_address": (
         "HTTP listen address host:port of the OpenAI-compatible /v1/embeddings, /v1/models and /health "
         "(port 0 picks a free port; empty: off)"
+    ),
+    "http_body_timeout_s": (
+        "seconds an HTTP request body may take to arrive (its size is held against the front's "
+        "budgets meanwhile); then 408"
     ),
     "model_dir": "model repository written by `python -m minilm_embed.export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",

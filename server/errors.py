@@ -3,6 +3,7 @@
 ServiceError
  +-- InvalidInput       INVALID_ARGUMENT    the request breaks a limit; message names it and the value
  |    +-- TooLarge       INVALID_ARGUMENT    an HTTP body over max_message_bytes (HTTP 413)
+ |    +-- SlowBody       INVALID_ARGUMENT    an HTTP body that did not arrive in time (HTTP 408)
  +-- Unauthenticated    UNAUTHENTICATED     a missing or wrong bearer token
  +-- Overloaded         RESOURCE_EXHAUSTED  the queue is full; retry later
  +-- NotReady           UNAVAILABLE         warming up or draining; retry (on another replica)
@@ -28,6 +29,11 @@ class InvalidInput(ServiceError):
 class TooLarge(InvalidInput):
     """An HTTP request body over the size limit: the client's error, like any invalid input, but HTTP
     has a status of its own for it (413). gRPC refuses an oversize message itself."""
+
+
+class SlowBody(InvalidInput):
+    """An HTTP request body still arriving after http_body_timeout_s: its bytes were held against the
+    front's budgets, so a stalled upload is ended (HTTP 408)."""
 
 
 class Unauthenticated(ServiceError):

@@ -153,7 +153,14 @@ def model_card(config: ServerConfig, manifest: Manifest) -> ModelCard:
 def create_http(config: ServerConfig, address: str, embedder: Embedder, manifest: Manifest) -> HttpListener:
     """The HTTP API over the same Embedder as gRPC, on `address` (not yet started)."""
     token = load_token(config.auth_token, config.auth_token_file)
-    api = HttpApi(embedder, embedder.metrics, model_card(config, manifest), token, config.max_message_bytes)
+    api = HttpApi(
+        embedder,
+        embedder.metrics,
+        model_card(config, manifest),
+        token,
+        config.max_message_bytes,
+        config.http_body_timeout_s,
+    )
     return http_listener(api, reuseport_socket(address), config)
 
 

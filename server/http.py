@@ -47,6 +47,7 @@ from minilm_embed.server.errors import (
     NotReady,
     Overloaded,
     ServiceError,
+    SlowBody,
     TooLarge,
     Unauthenticated,
 )
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 # (TooLarge is an InvalidInput). gRPC's code, lower-cased, is the error's `code`.
 STATUS: dict[type[ServiceError], tuple[int, str]] = {
     TooLarge: (413, "invalid_request_error"),
+    SlowBody: (408, "invalid_request_error"),
     InvalidInput: (400, "invalid_request_error"),
     Unauthenticated: (401, "authentication_error"),
     Overloaded: (429, "rate_limit_error"),
@@ -144,12 +146,19 @@ def error_response(error: ServiceError) -> Response:
 
 class HttpApi:
     def __init__(
-        self, embedder: Embedder, metrics: Metrics, card: ModelCard, token: str | None, max_body: int
+        self,
+        embedder: Embedder,
+        metrics: Metrics,
+        card: ModelCard,
+        token: str | None,
+        max_body: int,
+        body_timeout_s: float = 30.0,
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
         self.card = card
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
         self._token = token.encode() if token else None
 
     def app(self) -> Starlette:
@@ -166,9 +175,10 @@ class HttpApi:
 
         async def embed() -> Response:
             check_encoding(request.headers.get("content-encoding", "identity"))
-            body = await read_body(request, self.max_body)
-            # Held against the front's request bytes while parsed and tokenized, as gRPC's are.
-            with self.embedder.receiving(len(body)) as held:
+            # Held against the front's budgets from before it is read (its declared size, else the
+            # limit), as gRPC's are: 400 uploads stalled 1 byte short held 1 GB unaccounted before.
+            with self.embedder.receiving(body_size(request, self.max_body)) as held:
+                body = await read_body(request, self.max_body, self.body_timeout_s)
                 parsed = parse_embeddings(
                     body, self.card, self.embedder.tokenizer.limits.max_inputs_per_request
                 )
@@ -264,22 +274,34 @@ def _model_not_found(asked: str, served: str) -> Response:
     return json_response({"error": error}, 404)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) past `limit` bytes: by its Content-Length before reading any of it,
-    else as soon as the bytes read pass the limit."""
+def body_size(request: Request, limit: int) -> int:
+    """The body's size as declared (refused, 413, past `limit`), or `limit` for a chunked body."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the request body has {declared} bytes, over the limit max_message_bytes={limit}")
+    return int(declared) if declared.isdigit() else limit
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused (413) as soon as the bytes read pass `limit`, and (408) if it has not all
+    arrived after `timeout_s`."""
     body = bytearray()
     try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise TooLarge(
-                    f"the request body has more than {limit} bytes, over the limit max_message_bytes={limit}"
-                )
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise TooLarge(
+                        f"the request body has more than {limit} bytes, over the limit "
+                        f"max_message_bytes={limit}"
+                    )
     except ClientDisconnect:  # gone mid-upload: the caller's doing, not a server failure
         raise ClientGone("the client disconnected while sending its request") from None
+    except TimeoutError:
+        raise SlowBody(
+            f"the request body had sent {len(body)} bytes after {timeout_s:g} s, over the limit "
+            f"http_body_timeout_s={timeout_s:g}"
+        ) from None
     return bytes(body)
 
 

@@ -260,6 +260,32 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
     assert f"more than {MAX_BODY} bytes" in response.json()["error"]["message"]
 
 
+def test_a_stalled_upload_holds_its_declared_bytes_and_is_ended_with_408():
+    """400 uploads stalled one byte short of their Content-Length held 1 GB of a front, unaccounted and
+    for good. The declared size is held from the start (a request that does not fit beside it is
+    refused at once), and the upload is ended after --http-body-timeout-s."""
+    settings = {
+        "http_body_timeout_s": 1.5,
+        "max_message_bytes": 200_000,
+        "max_request_bytes_in_flight": 200_000,
+        "max_request_bytes_held": 200_000,
+    }
+    with serving(*flags(settings)) as process:
+        host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as stalled:
+            head = "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            stalled.sendall(f"{head}Content-Length: 150000\r\n\r\n".encode() + b'{"input": "' + b"x" * 1000)
+            time.sleep(0.5)  # read up to where it stops
+            crowded = httpx.post(process.http_url + "/v1/embeddings", json={"input": "y" * 100_000})
+            assert crowded.status_code == 429, crowded.text
+            assert "front busy" in crowded.json()["error"]["message"]
+            answer = stalled.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert "http_body_timeout_s=1.5" in answer and "sent 1011 bytes" in answer, answer
+        after = httpx.post(process.http_url + "/v1/embeddings", json={"input": "y" * 100_000})
+        assert after.status_code == 200, after.text
+
+
 def test_a_wrong_or_missing_token_gets_401_and_health_stays_open(server):
     with pytest.raises(openai.AuthenticationError) as e:
         openai_client(server, key="wrong").embeddings.create(model="m", input="a")
