@@ -23,8 +23,9 @@ import numpy as np
 from minilm_embed.client.client import channel_options, embed_request, to_array
 from minilm_embed.export.optimize import cpu_session
 from minilm_embed.export.parity import CARRIED_SENTENCES, MIN_COSINE
-from minilm_embed.model.tokenizer import Tokenizer, pad_batch
+from minilm_embed.model.tokenizer import pad_batch
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.reference import library_tokenizer
 
 MAX_TOKENS = 256
 OK = grpc.StatusCode.OK
@@ -51,13 +52,13 @@ class References:
 
     def __init__(self, model_dir: Path) -> None:
         self.session = cpu_session(model_dir / "model.onnx")
-        self.tokenizer = Tokenizer(model_dir / "tokenizer.json", MAX_TOKENS)
+        self.tokenizer = library_tokenizer(model_dir)  # the library's own, as tests/reference.py
         self.vectors: dict[str, np.ndarray] = {}
 
     def add(self, texts: Sequence[str]) -> None:
         for text in texts:
             if text not in self.vectors:
-                ids, lengths = pad_batch(self.tokenizer.encode([text]).ids)
+                ids, lengths = pad_batch([self.tokenizer.encode(text).ids])
                 normalised, _ = self.session.run(None, {"input_ids": ids, "lengths": lengths})
                 self.vectors[text] = normalised[0]
 
