@@ -55,6 +55,14 @@ def two_fronts() -> Iterator[ServerProcess]:
         yield process
 
 
+def running(pid: int) -> bool:
+    """Alive, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -225,6 +233,8 @@ def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(refe
 
         await asyncio.gather(*(one(t) for t in texts))
 
+    children = [*process.front_pids(), process.engine_pid]
+    assert len(children) == FRONTS + 1 and None not in children, children
     loader = threading.Thread(target=lambda: asyncio.run(load()))
     loader.start()
     time.sleep(0.5)
@@ -239,7 +249,7 @@ def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(refe
         assert np.sum(vectors * reference.embed([text] * 8), axis=1).min() >= 0.99999
     # A call is refused only as UNAVAILABLE (never accepted, retried elsewhere in production).
     assert {r.code() for r in refused} <= {grpc.StatusCode.UNAVAILABLE}
-    assert not process.front_pids() if process.proc.poll() is None else True
+    assert not [pid for pid in children if running(pid)], "a child outlived the server"
 
 
 def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_wait_instead(reference):
