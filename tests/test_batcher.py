@@ -30,6 +30,7 @@ async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None
 T = TypeVar("T")
 PAD = 0
 FAULT = 99  # a row starting with this id makes the fake model fail the whole batch
+NAN = 98  # a row starting with this id gets a NaN vector (a numerically broken model or input)
 
 
 class FakeModel:
@@ -47,6 +48,7 @@ class FakeModel:
         if (ids[:, 0] == FAULT).any():
             raise RuntimeError("fake model failure")
         vectors = np.stack([ids[:, 0], lengths], axis=1).astype(np.float32)  # (B, 2)
+        vectors[ids[:, 0] == NAN] = np.nan
         return vectors, vectors * 2
 
     def first_ids_seen(self) -> list[int]:
@@ -415,6 +417,56 @@ def test_a_failing_row_fails_only_its_own_request():
     assert all(ids.shape[0] == 1 for ids, _ in model.batches[1:])  # then re-run one by one
     assert sample(batcher, "embed_batch_failures_total") == 1
     assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_a_non_finite_vector_fails_its_request_not_its_batchmates():
+    """A NaN row is refused as a model failure of that input; the rows beside it are answered."""
+    model = FakeModel()
+    batcher = new_batcher(model, max_queue_delay_s=0.05)
+
+    async def scenario():
+        batcher.start()
+        try:
+            requests = [[[1, 5]], [[NAN, 5]], [[3, 5]]]
+            return await asyncio.gather(*(submit(batcher, r) for r in requests), return_exceptions=True)
+        finally:
+            await batcher.stop()
+
+    ok_a, failed, ok_c = run(scenario)
+    assert isinstance(failed, BackendFailure) and "non-finite" in str(failed)
+    assert first_ids(ok_a) == [1] and first_ids(ok_c) == [3]
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_a_bug_in_the_batchers_own_code_fails_the_batchs_callers_instead_of_leaving_them_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    model = FakeModel()
+    batcher = new_batcher(model, max_queue_delay_s=0.05)
+    broken = {"once": True}
+    real_observe = batcher._observe
+
+    def observe(*args: object) -> None:
+        if broken.pop("once", False):
+            raise ValueError("a bug")
+        real_observe(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batcher, "_observe", observe)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = await asyncio.gather(
+                submit(batcher, [[1, 5]]), submit(batcher, [[2, 5]]), return_exceptions=True
+            )
+            return first, await submit(batcher, [[3, 5]])  # and the worker goes on
+        finally:
+            await batcher.stop()
+
+    (a, b), after = run(scenario)
+    assert isinstance(a, BackendFailure) and "internal batching error" in str(a)
+    assert isinstance(b, BackendFailure) or first_ids(b) == [2]  # in that batch or the next
+    assert first_ids(after) == [3]
 
 
 def test_inputs_left_of_a_failed_request_are_dropped_as_failed_not_cancelled():
