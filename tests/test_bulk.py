@@ -244,6 +244,51 @@ def test_a_cut_short_row_is_dropped_on_resume(tmp_path):
     assert np.load(out).tolist() == [*np.arange(12).reshape(3, 4).tolist(), [7] * 4]
 
 
+def test_a_cut_short_jsonl_row_is_dropped_on_resume(tmp_path):
+    out = tmp_path / "v.jsonl"
+    sink = bulk.JsonlSink(out)
+    sink.open(resume=False)
+    sink.write([bulk.Record(f"d{i}", "t", i) for i in range(3)], np.full((3, 4), 0.5, dtype=np.float32))
+    sink.close(complete=False)
+    whole = out.read_bytes()
+    with out.open("ab") as f:
+        f.write(b'{"id": "d3", "embedding": [0.5, 0.')  # the kill came mid-line
+    resumed = bulk.JsonlSink(out)
+    assert resumed.inspect() == bulk.Written(3, ("d2",), (0.5,) * 4)
+    resumed.open(resume=True)
+    resumed.write([bulk.Record("d3", "t", 3)], np.full((1, 4), 0.25, dtype=np.float32))
+    resumed.close(complete=True)
+    assert out.read_bytes().startswith(whole)
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == ["d0", "d1", "d2", "d3"] and rows[3]["embedding"] == [0.25] * 4
+
+
+def test_a_npy_from_jsonl_resumes_from_the_shorter_of_its_vectors_and_its_ids(tmp_path):
+    """Killed between a batch's vectors and its ids (or mid-way through either): the rows that have
+    both are kept, the rest written again, so row i and id i stay together."""
+    out = tmp_path / "v.npy"
+    sink = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
+    sink.open(resume=False)
+    sink.write(
+        [bulk.Record(f"d{i}", "t", i) for i in range(3)], np.arange(12, dtype=np.float32).reshape(3, 4)
+    )
+    sink.close(complete=False)
+    with bulk.ids_beside(out).open("ab") as f:
+        f.write(b'"d3"\n"d4"\n"d')  # ids of rows whose vectors were never written, and half of one
+    resumed = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
+    assert resumed.inspect() == bulk.Written(3, ("d2",), tuple(range(8, 12)))
+    resumed.open(resume=True)
+    resumed.write([bulk.Record("d3", "t", 3)], np.full((1, 4), 7, dtype=np.float32))
+    resumed.close(complete=True)
+    assert bulk.ids_beside(out).read_text().split() == ['"d0"', '"d1"', '"d2"', '"d3"']
+    assert np.load(out)[3].tolist() == [7] * 4
+
+    with out.open("ab") as f:  # now more vectors than ids: the rows are cut back to the ids
+        f.write(np.full((2, 4), 9, dtype="<f4").tobytes())
+    again = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
+    assert again.inspect().rows == 4
+
+
 def test_refusals_that_may_pass_later_are_retried_and_others_are_not():
     def error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "refused")
