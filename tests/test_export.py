@@ -291,6 +291,30 @@ def test_compare_reports_a_shape_error_apart_from_values():
     assert check.figures == {}
 
 
+def _turned(cosine: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Two (1, 4) rows of length `scale` at exactly this cosine."""
+    want = np.array([[scale, 0.0, 0.0, 0.0]])
+    got = np.array([[scale * cosine, scale * np.sqrt(1 - cosine**2), 0.0, 0.0]])
+    return got, want
+
+
+@pytest.mark.parametrize(
+    ("rows", "passed"),
+    [
+        # The documented limits (README): min cosine 0.99999, max abs difference 1e-5.
+        (_turned(0.999995, 1e-3), True),  # cosine just inside, differences tiny
+        (_turned(0.99998, 1e-3), False),  # cosine just outside, differences tiny
+        ((np.full((1, 4), 0.5 + 5e-6), np.full((1, 4), 0.5)), True),  # cosine 1, difference inside
+        ((np.full((1, 4), 0.5 + 2e-5), np.full((1, 4), 0.5)), False),  # cosine 1, difference outside
+    ],
+)
+def test_each_parity_limit_fails_a_gate_on_its_own(rows, passed):
+    """The cosine and the max abs difference each decide alone: a gate loosened in either passes one of
+    these (the perturbed-encoder test breaks both at once, and could not tell)."""
+    got, want = rows
+    assert compare("x", got, want).passed is passed
+
+
 def test_built_repository_parity_figures(built_manifest):
     checks = {c["name"]: c for c in built_manifest["parity"]["checks"]}
     assert list(checks) == CHECK_NAMES
