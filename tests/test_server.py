@@ -41,6 +41,7 @@ from tests.server_process import (
     one_instance_held,
     serving,
     start_server,
+    wait_for,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -475,6 +476,34 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     assert metric(tiny_queue_server, "embed_queue_depth") == 0
     with EmbeddingClient(tiny_queue_server.address, timeout=30) as c:
         assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving
+
+
+def test_a_request_the_full_queue_cannot_take_is_refused_before_it_is_tokenized():
+    """Overload is refused before its cost is paid: with the queue full (its depth published), the
+    next request gets RESOURCE_EXHAUSTED and the tokenizer never sees it."""
+    settings = {"model_instances": 1, "queue_limit": 4, "max_batch_size": 4}
+    with serving(*flags(settings), entry=fault_entry(FAULT)) as process:
+
+        async def behind_a_busy_instance() -> tuple[float, object, float]:
+            async with one_instance_held(process.address), AsyncEmbeddingClient(process.address, 60) as c:
+                filling = asyncio.ensure_future(c.embed_response(embed_request(SHORT[:4])))
+                full = await asyncio.to_thread(
+                    wait_for, lambda: metric(process, "embed_queue_depth") == 4, 10.0, 0.05
+                )
+                assert full, "the queue did not fill"
+                before = metric(process, "embed_tokenization_duration_seconds_count")
+                try:
+                    refused: object = await c.embed_response(embed_request(SHORT[4:6]))
+                except grpc.RpcError as e:
+                    refused = e
+                after = metric(process, "embed_tokenization_duration_seconds_count")
+                await filling
+                return before, refused, after
+
+        before, refused, after = asyncio.run(behind_a_busy_instance())
+        assert status(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue_limit is 4" in refused.details()  # type: ignore[attr-defined]
+        assert after == before, "the refused request was tokenized"
 
 
 @pytest.fixture(scope="module")
