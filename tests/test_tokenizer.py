@@ -61,12 +61,14 @@ def test_empty_string_is_cls_and_sep(tokenizer):
         ("\u200b\ufeff", 0),  # zero-width space and byte-order mark
     ],
 )
-def test_any_unicode_text_tokenizes(tokenizer, text, inner):
+def test_any_unicode_text_tokenizes(tokenizer, encoder_and_checkpoint, text, inner):
     out = tokenizer.encode([text])
     row = out.ids[0]
     assert row[0] == CLS and row[-1] == SEP
     assert len(row) == inner + 2
     assert all(0 <= i < tokenizer.vocab_size for i in row)
+    library = library_tokenizer(encoder_and_checkpoint[1].directory / "tokenizer.json")
+    assert row == library.encode(text).ids  # the counts above are the library's, not ours alone
 
 
 def test_emoji_becomes_unknown_token(tokenizer):
@@ -237,6 +239,28 @@ def test_a_batch_of_ascii_and_other_texts_keeps_its_order(tokenizer, library):
     got = tokenizer.encode(texts)
     assert got.ids == [e.ids for e in library.encode_batch(texts)]
     assert got.ids == [tokenizer.encode([t]).ids[0] for t in texts]
+
+
+@pytest.mark.parametrize(
+    ("setting", "texts"),
+    [
+        ("clean_text", ["a\x00b\x07c", "tab\there", "nul\x00"]),  # control characters kept, not dropped
+        ("strip_accents", ["cafe", "naive"]),  # ASCII has no accents: the shortcut still equals it
+        ("handle_chinese_chars", ["plain ascii words"]),
+    ],
+)
+def test_a_normaliser_unlike_berts_uncased_one_is_not_short_cut(
+    encoder_and_checkpoint, tmp_path, setting, texts
+):
+    """The ASCII shortcut stands in for BERT's uncased normaliser with every setting as shipped; a
+    tokenizer.json that turns one off gets its own normaliser's ids, whatever the shortcut would do."""
+    source = encoder_and_checkpoint[1].directory / "tokenizer.json"
+    config = json.loads(source.read_text())
+    config["normalizer"][setting] = False
+    changed = tmp_path / "tokenizer.json"
+    changed.write_text(json.dumps(config))
+    got = Tokenizer(changed, 256).encode(texts).ids
+    assert got == [e.ids for e in library_tokenizer(changed).encode_batch(texts)]
 
 
 def test_a_cased_tokenizer_keeps_its_capitals(encoder_and_checkpoint, tmp_path):
