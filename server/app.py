@@ -123,6 +123,7 @@ class Supervisor:
     serving: set[int] = field(default_factory=set)
     facts: Any = None
     announced: bool = False
+    start_error: str = ""  # what a child that could not start said (it is exiting by itself)
     metrics: SupervisorMetrics = field(default_factory=SupervisorMetrics)
     serving_since: dict[int, float] = field(default_factory=dict)  # front -> time.monotonic()
     delays: dict[int, float] = field(default_factory=dict)  # front -> its last restart delay
@@ -163,6 +164,7 @@ class Supervisor:
             log.error("%s could not start: %s", whose, event[1])
             return
         if kind == "error":
+            self.start_error = event[1]
             raise StartupError(event[1])
         if kind == "ready":
             self.facts = event[1]
@@ -264,7 +266,7 @@ class Supervisor:
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
-        if self.engine is not None and self.facts is None and self.engine.is_alive():
+        if self.engine is not None and self.facts is None and not self.start_error and self.engine.is_alive():
             # Still loading or warming up (a rollout's SIGTERM during a slow start): no front is left
             # that could use it and it holds nothing to finish, so it is not waited for.
             log.info("the engine was still starting: stopped without waiting for it")

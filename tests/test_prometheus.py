@@ -30,6 +30,7 @@ import grpc
 import pytest
 
 from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request
+from minilm_embed.server.metrics import REFUSAL_REASONS
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server, wait_for
 from tests.test_metrics import assert_labels_bounded, promtool_check_metrics, samples, scrape
@@ -308,7 +309,8 @@ def test_refusals_are_counted_as_the_queues_when_the_queue_is_full(
     queue = 'embed_requests_refused_total{reason="queue"}'
     prometheus.wait_for(queue, lambda v: v == [provoked.refused])
     # The fronts' budgets refused none of them: each reason is exported, the others at 0.
-    prometheus.wait_for("embed_requests_refused_total", lambda v: sorted(v) == [0, 0, provoked.refused])
+    others = [0.0] * (len(REFUSAL_REASONS) - 1)
+    prometheus.wait_for("embed_requests_refused_total", lambda v: sorted(v) == [*others, provoked.refused])
     prometheus.wait_for(
         'sum(embed_requests_total{code="RESOURCE_EXHAUSTED"})', lambda v: v == [provoked.refused]
     )
