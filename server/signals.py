@@ -1,9 +1,10 @@
 """The server's stop signals, caught from its first moment.
 
 Importing the server takes about a second (grpc, numpy, ONNX Runtime's bindings; 0.9 s on an idle
-2-vCPU AMD EPYC Zen 3). A rollout that stops a pod it has just started must get the same clean stop, exit 0, as one
-that stops it later, not a death by the signal's default action. `main` catches the signals before
-it imports the rest; the supervisor reads what was caught and goes on catching into the same list.
+2-vCPU AMD EPYC Zen 3). A rollout that stops a pod it has just started must get the same clean stop,
+exit 0, as one that stops it later, not a death by the signal's default action. `main` catches the
+signals before it imports the rest; the supervisor reads what was caught and goes on catching into
+the same list.
 """
 
 from __future__ import annotations
