@@ -34,6 +34,7 @@ from minilm_embed.export.parity import (
     MAX_SPEARMAN_GAP,
     MIN_COSINE,
     ParityError,
+    batch_invariance,
     compare,
     onnx_embedder,
     pooled_checks,
@@ -218,6 +219,41 @@ def test_parity_gate_fails_a_perturbed_encoder(exported, encoder_and_checkpoint,
     assert by_name["3 batch invariance (onnx)"].passed
     with pytest.raises(ParityError, match="2 onnx vs pytorch"):
         report.raise_on_failure()
+
+
+def test_parity_gate_fails_an_encoder_that_sentence_transformers_disagrees_with(
+    exported, encoder_and_checkpoint, tokenizer
+):
+    """Check 1 holds the encoder to sentence-transformers on the same weights: an encoder that is
+    wrong (here, perturbed) fails it, whatever the graph says."""
+    out, _ = exported
+    encoder, checkpoint = encoder_and_checkpoint
+    perturbed = copy.deepcopy(encoder)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in perturbed.layers[2].parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
+    report = run_parity(perturbed, cpu_session(out / "model.onnx"), tokenizer, checkpoint.directory, None)
+    first = next(c for c in report.checks if c.name == "1 pytorch vs sentence-transformers")
+    assert not first.passed, first.figures
+    assert first.figures["max_abs_diff"] > MAX_ABS_DIFF or first.figures["min_cosine"] < MIN_COSINE
+
+
+def test_batch_invariance_fails_rows_that_depend_on_their_batch():
+    """Check 3 alone: a graph whose padding leaks into the vectors (rows change with the batch's
+    longest row) fails it; one whose rows do not, passes."""
+
+    def fair(rows: list[list[int]]) -> np.ndarray:
+        return np.array([[float(len(r)), 1.0, 0.0, 0.0] for r in rows])
+
+    def leaky(rows: list[list[int]]) -> np.ndarray:
+        out = fair(rows)
+        out[:, 2] = 0.01 * (max(map(len, rows)) - out[:, 0])  # the row's padding shows in its vector
+        return out
+
+    rows = [[1] * n for n in (2, 5, 9, 3)]
+    assert batch_invariance(fair, rows).passed
+    assert not batch_invariance(leaky, rows).passed
 
 
 class NegatedPooled:
