@@ -121,6 +121,24 @@ def test_choose_batch_takes_a_shorter_input_when_the_next_longer_one_does_not_fi
     assert choose_batch(lengths, max_tokens=1024, max_size=32) == [0, 1, 2, 3, 5]
 
 
+def test_choose_batch_keeps_the_share_of_padding_within_max_padding():
+    # 100 + 10 tokens padded to 2 x 100: 45% padding. At max_padding 0.5 they share a batch; at 0.3
+    # the short one waits for a batch of its own.
+    assert choose_batch([100, 10], max_tokens=1000, max_size=8, max_padding=0.5) == [0, 1]
+    assert choose_batch([100, 10], max_tokens=1000, max_size=8, max_padding=0.3) == [0]
+
+
+@given(
+    lengths=st.lists(st.integers(1, 32), min_size=1, max_size=40),
+    max_padding=st.sampled_from([0.0, 0.1, 0.3, 0.5]),
+)
+def test_choose_batch_never_pads_past_max_padding(lengths, max_padding):
+    chosen = choose_batch(lengths, 10_000, 32, max_padding)
+    rows = [lengths[i] for i in chosen]
+    if len(rows) > 1:  # the oldest input alone is always taken
+        assert sum(rows) >= (1.0 - max_padding) * len(rows) * max(rows)
+
+
 @given(
     # Short lengths and budgets, so that ties and budget edges come up often.
     lengths=st.lists(st.integers(1, 32), min_size=1, max_size=40),
@@ -145,6 +163,22 @@ def test_choose_batch_properties(lengths, max_size, extra_tokens):
 
 
 # Batcher --------------------------------------------------------------------------------------------
+
+
+def test_a_lone_input_on_an_idle_batcher_runs_without_waiting_for_company():
+    """Waiting for company pays only while another batch computes: with every instance idle a lone
+    input runs at once, long before a (here 60 s) queue delay would let it."""
+    model = FakeModel()
+    batcher = new_batcher(model, max_queue_delay_s=60.0)
+
+    async def scenario():
+        batcher.start()
+        try:
+            return await asyncio.wait_for(submit(batcher, [[7, 5]]), 10)
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == [7]
 
 
 def test_inputs_of_one_request_spanning_several_batches_come_back_in_order():
