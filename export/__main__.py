@@ -20,12 +20,14 @@ import onnxruntime
 import tokenizers
 import torch
 
+from minilm_embed.export.fp16 import FP16_SKIPPED, Fp16Error, fp16_record, gated_fp16
 from minilm_embed.export.onnx import IR_VERSION, OPSET, export_onnx, save, share_tensor
 from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
 from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
 from minilm_embed.model.repository import (
+    CUDA_PROVIDER,
     FP32_FILE,
     INT8_FILE,
     MANIFEST_FILE,
@@ -33,6 +35,7 @@ from minilm_embed.model.repository import (
     Manifest,
     SharedTensor,
 )
+from minilm_embed.model.runtime import gpu_present
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.model.weights import (
     DEFAULT_SHA256,
@@ -85,7 +88,12 @@ def versions() -> dict[str, str]:
 
 
 def manifest(
-    ckpt: Checkpoint, staging: Path, shared: SharedTensor, parity: dict[str, Any], int8: dict[str, Any] | None
+    ckpt: Checkpoint,
+    staging: Path,
+    shared: SharedTensor,
+    parity: dict[str, Any],
+    int8: dict[str, Any] | None,
+    fp16: dict[str, Any] | None,
 ) -> Manifest:
     return Manifest(
         model_id=ckpt.model_id,
@@ -96,11 +104,12 @@ def manifest(
         config=ckpt.config,
         opset=OPSET,
         ir_version=IR_VERSION,
-        graphs=graph_plan(staging, int8 is not None),
+        graphs=graph_plan(staging, int8 is not None, fp16 is not None),
         shared_tensors=(shared,),
         versions=versions(),
         parity=parity,
         parity_int8=int8 or {"skipped": "int8 is calibrated on STS-B train: give --data-dir"},
+        parity_fp16=fp16 or {"skipped": FP16_SKIPPED},
     )
 
 
@@ -122,7 +131,8 @@ def build(
     report.raise_on_failure()
     int8_report = build_int8(staging, tokenizer, data_dir) if int8 and data_dir is not None else None
     figures = int8_report.to_dict() if int8_report else None
-    text = manifest(ckpt, staging, shared, report.to_dict(), figures).to_json()
+    fp16 = build_fp16(staging, tokenizer, data_dir)
+    text = manifest(ckpt, staging, shared, report.to_dict(), figures, fp16).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
 
@@ -138,6 +148,18 @@ def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path) -> ParityRep
     print(report.table())
     report.raise_on_failure()
     return report
+
+
+def build_fp16(staging: Path, tokenizer: Tokenizer, data_dir: Path | None) -> dict[str, Any] | None:
+    """The fp16 graph for CUDA, where this host has a GPU to gate it on; a refused graph is one line,
+    and the repository ships without it (CUDA then serves fp32)."""
+    if not gpu_present() or CUDA_PROVIDER not in onnxruntime.get_available_providers():
+        return None
+    try:
+        return fp16_record(gated_fp16(staging, tokenizer, data_dir))
+    except Fp16Error as e:
+        print(f"export: {e}", file=sys.stderr)
+        return None
 
 
 def replace_dir(staging: Path, out: Path) -> None:

@@ -22,6 +22,8 @@ from minilm_embed.export.onnx import IR_VERSION, OPSET
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
+    CUDA_PROVIDER,
+    FP16_FILE,
     FP32_FILE,
     INPUT_IDS,
     INT8_FILE,
@@ -48,13 +50,32 @@ CPU_GRAPHS: tuple[tuple[str, Precision, str], ...] = (
 )
 
 
-def graph_plan(directory: Path, int8: bool) -> tuple[Graph, ...]:
+# What the CUDA provider runs, the first listed being `auto`'s: the fp16 graph where its gate passed
+# on a GPU (export/fp16.py), else fp32. No runtime fusion is disabled on CUDA.
+CUDA_GRAPHS: tuple[tuple[str, Precision, str], ...] = (
+    (
+        FP16_FILE,
+        "fp16",
+        "fp16 weights and matrix products; LayerNorm, softmax, pooling and normalisation in fp32; "
+        "gated on a GPU",
+    ),
+    (FP32_FILE, "fp32", "plain TorchScript export; ORT runtime optimisations at load"),
+)
+
+
+def graph_plan(directory: Path, int8: bool, fp16: bool = False) -> tuple[Graph, ...]:
     """What the model repository in `directory` ships for each provider, recorded in manifest.json."""
-    return tuple(
+    cpu = tuple(
         Graph(CPU_PROVIDER, file, precision, how, CPU_DISABLED_OPTIMIZERS, sha256_file(directory / file))
         for file, precision, how in CPU_GRAPHS
         if int8 or precision != "int8"
     )
+    cuda = tuple(
+        Graph(CUDA_PROVIDER, file, precision, how, (), sha256_file(directory / file))
+        for file, precision, how in CUDA_GRAPHS
+        if fp16 or precision != "fp16"
+    )
+    return cpu + cuda
 
 
 MS_DOMAIN = "com.microsoft"

@@ -32,6 +32,7 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 FP32_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
+FP16_FILE = "model.fp16.onnx"
 WORD_EMBEDDINGS_FILE = "word_embeddings.f32"
 
 # The graph's inputs and outputs: ids (B, T) and lengths (B,) in; normalised and raw pooled (B, D) out.
@@ -136,6 +137,8 @@ class Manifest:
     versions: Mapping[str, str]  # of the packages that built it
     parity: Mapping[str, Any]  # the gate's report (export/parity.py)
     parity_int8: Mapping[str, Any]
+    # The fp16 graph's gate, run on a GPU (export/fp16.py); absent from repositories built without one.
+    parity_fp16: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     manifest_version: int = MANIFEST_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,6 +164,7 @@ class Manifest:
             "versions": dict(self.versions),
             "parity": dict(self.parity),
             "parity_int8": dict(self.parity_int8),
+            "parity_fp16": dict(self.parity_fp16),
         }
 
     def to_json(self) -> str:
@@ -193,6 +197,7 @@ class Manifest:
             versions=_get(d, "versions", dict),
             parity=_get(d, "parity", dict),
             parity_int8=_get(d, "parity_int8", dict),
+            parity_fp16=_get(d, "parity_fp16", dict) if "parity_fp16" in d else {},
         )
         manifest.check_derived(d)
         return manifest

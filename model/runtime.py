@@ -12,7 +12,33 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from minilm_embed.model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS, POOLED, ModelRepository
+from minilm_embed.model.repository import (
+    CUDA_PROVIDER,
+    EMBEDDINGS,
+    INPUT_IDS,
+    LENGTHS,
+    POOLED,
+    ModelRepository,
+)
+
+# The CUDA provider's settings (ORT 1.31), for every CUDA session the project opens:
+# - the arena grows by what a run asks for, not by doubling (`kSameAsRequested`), and never beyond
+#   `gpu_mem_limit` (a run that needs more fails alone, with ORT's out-of-memory message): the served
+#   shapes are few (backend.py pads them to buckets), so the arena stops growing once each was seen;
+# - TF32 off: the fp32 graph computes in fp32 (ORT's default, TF32 on, rounds Gemm inputs to 10-bit
+#   mantissas), the reference the fp16 graph's gate compares with; the fp16 graph is unaffected.
+CUDA_MEMORY_LIMIT_BYTES = 4 << 30
+CUDA_OPTIONS = {
+    "arena_extend_strategy": "kSameAsRequested",
+    "gpu_mem_limit": str(CUDA_MEMORY_LIMIT_BYTES),
+    "use_tf32": "0",
+    "do_copy_in_default_stream": "1",
+}
+
+
+def gpu_present() -> bool:
+    """An NVIDIA driver is loaded. onnxruntime-gpu lists CUDA as available on any machine."""
+    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
 
 
 def session_options(threads: int, serving: bool) -> ort.SessionOptions:
@@ -55,8 +81,9 @@ def new_session(
     options = session_options(threads, serving)
     for name, value in (initializers or {}).items():
         options.add_initializer(name, value)
+    with_options = [(p, dict(CUDA_OPTIONS)) if p == CUDA_PROVIDER else p for p in providers]
     return ort.InferenceSession(
-        str(path), options, providers=list(providers), disabled_optimizers=list(disabled_optimizers)
+        str(path), options, providers=with_options, disabled_optimizers=list(disabled_optimizers)
     )
 
 

@@ -29,7 +29,7 @@ from minilm_embed.model.repository import (
     open_repository,
     read_manifest,
 )
-from minilm_embed.model.runtime import new_session, run_graph, shared_initializers
+from minilm_embed.model.runtime import gpu_present, new_session, run_graph, shared_initializers
 from minilm_embed.server.config import Device
 
 # The repository's reader is re-exported: the server opens the model through this module.
@@ -43,11 +43,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def gpu_present() -> bool:
-    """An NVIDIA driver is loaded. onnxruntime-gpu lists CUDA as available on any machine."""
-    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
 
 
 def wanted_providers(device: Device) -> list[str]:
@@ -136,6 +131,10 @@ class OnnxBackend:
         instances: int = 0,
     ) -> None:
         started = time.perf_counter()
+        if device == "cuda" and not gpu_present():
+            raise ModelRepositoryError(
+                "--device cuda: no NVIDIA GPU driver on this host (/proc/driver/nvidia)"
+            )
         providers = wanted_providers(device)
         graph = repo.graph_for(providers[0], precision)
         self.instances, self.threads = plan_instances(providers[0], instances, threads, usable_cores())
@@ -154,10 +153,12 @@ class OnnxBackend:
             )
             for _ in range(self.instances)
         )
-        self._free: queue.SimpleQueue[ort.InferenceSession] = queue.SimpleQueue()
-        for session in self.sessions:
-            self._free.put(session)
         self.provider = self.sessions[0].get_providers()[0]
+        self._free: queue.SimpleQueue[ort.InferenceSession | BoundSession] = queue.SimpleQueue()
+        for session in self.sessions:
+            self._free.put(
+                BoundSession(session, repo.dimensions) if self.provider == CUDA_PROVIDER else session
+            )
         if device == "cuda" and self.provider != CUDA_PROVIDER:
             raise ModelRepositoryError("--device cuda: the CUDA execution provider could not be loaded")
         if providers[0] == CUDA_PROVIDER and self.provider != CUDA_PROVIDER:
@@ -178,22 +179,73 @@ class OnnxBackend:
         assert ids.dtype == np.int64 and lengths.dtype == np.int64 and ids.shape[0] == lengths.shape[0]
         session = self._free.get()  # never waits when at most `instances` threads call
         try:
-            if self.provider == CUDA_PROVIDER:
-                return _run_bound(session, ids, lengths)
+            if isinstance(session, BoundSession):
+                return session.run(ids, lengths)
             return run_graph(session, ids, lengths)
         finally:
             self._free.put(session)
 
 
-def _run_bound(
-    session: ort.InferenceSession, ids: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """I/O binding: inputs copied to the GPU once, outputs left there and fetched together."""
-    binding = session.io_binding()
-    binding.bind_cpu_input(INPUT_IDS, ids)
-    binding.bind_cpu_input(LENGTHS, lengths)
-    binding.bind_output(EMBEDDINGS, "cuda")
-    binding.bind_output(POOLED, "cuda")
-    session.run_with_iobinding(binding)
-    normalised, pooled = binding.copy_outputs_to_cpu()
-    return np.asarray(normalised), np.asarray(pooled)
+# Token positions a CUDA batch is padded up to, and its rows up to the next power of two: ORT then
+# sees at most 7 x 9 shapes (rows 1..256), each with device buffers made once and reused. Padded
+# positions and rows (length 0) are masked in the graph and cost only attention, a small share here.
+SEQUENCE_BUCKETS = (16, 32, 64, 96, 128, 192, 256)
+
+
+def bucket(rows: int, positions: int) -> tuple[int, int]:
+    """The (rows, positions) shape a (rows, positions) batch is run at on CUDA."""
+    padded_rows = 1 << max(0, rows - 1).bit_length()
+    padded = next((b for b in SEQUENCE_BUCKETS if b >= positions), positions)
+    return padded_rows, padded
+
+
+class BoundShape:
+    """One bucket's I/O binding: device buffers for both inputs and both outputs, host staging arrays."""
+
+    def __init__(
+        self, session: ort.InferenceSession, rows: int, positions: int, dims: int, device: str = "cuda"
+    ) -> None:
+        self.ids = np.zeros((rows, positions), np.int64)
+        self.lengths = np.zeros(rows, np.int64)
+        new = ort.OrtValue.ortvalue_from_shape_and_type
+        self.device_ids = new((rows, positions), np.int64, device, 0)
+        self.device_lengths = new((rows,), np.int64, device, 0)
+        self.embeddings = new((rows, dims), np.float32, device, 0)
+        self.pooled = new((rows, dims), np.float32, device, 0)
+        self.binding = session.io_binding()
+        self.binding.bind_ortvalue_input(INPUT_IDS, self.device_ids)
+        self.binding.bind_ortvalue_input(LENGTHS, self.device_lengths)
+        self.binding.bind_ortvalue_output(EMBEDDINGS, self.embeddings)
+        self.binding.bind_ortvalue_output(POOLED, self.pooled)
+
+    def run(
+        self, session: ort.InferenceSession, ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        rows, positions = ids.shape
+        self.ids[:rows, :positions] = ids
+        self.ids[:rows, positions:] = 0
+        self.ids[rows:] = 0
+        self.lengths[:rows] = lengths
+        self.lengths[rows:] = 0
+        self.device_ids.update_inplace(self.ids)  # one copy to the device per input per batch
+        self.device_lengths.update_inplace(self.lengths)
+        session.run_with_iobinding(self.binding)
+        return self.embeddings.numpy()[:rows], self.pooled.numpy()[:rows]  # one copy back per output
+
+
+class BoundSession:
+    """A CUDA session run through I/O binding, with one `BoundShape` per bucket met so far (`device`
+    "cpu" runs the same code on a CPU session, for the tests of machines without a GPU)."""
+
+    def __init__(self, session: ort.InferenceSession, dims: int, device: str = "cuda") -> None:
+        self.session = session
+        self.dims = dims
+        self.device = device
+        self.shapes: dict[tuple[int, int], BoundShape] = {}
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = bucket(*ids.shape)
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = BoundShape(self.session, *key, self.dims, self.device)
+        return shape.run(self.session, ids, lengths)
