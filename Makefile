@@ -20,7 +20,7 @@ LINT_PATHS := model export server client bench tests scripts
 TYPED_PACKAGES := model export server client
 TYPECHECK_ROOT := .mypy_cache/packages
 
-.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-low-precision bench-front bench-batcher soak clean
+.PHONY: install proto model serve test lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-low-precision bench-front bench-gpu bench-batcher soak clean
 
 install: $(STAMP)
 
@@ -110,6 +110,10 @@ bench-front: $(STAMP) proto model
 	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_front.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
 # The engine's batcher alone, in process, over an instant model: the inputs/s one engine can batch.
+# On a CUDA host, after `python -m minilm_embed.export.fp16` (scripts/gpu-check.sh runs both).
+bench-gpu: $(STAMP) proto model
+	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python bench/bench_gpu.py --model-dir $(MODEL_DIR) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
 bench-batcher: $(STAMP) proto
 	$(BIN)/python bench/bench_batcher.py
 

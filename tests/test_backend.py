@@ -13,7 +13,7 @@ from minilm_embed.export.optimize import cpu_session
 from minilm_embed.model.repository import CPU_PROVIDER as CPU
 from minilm_embed.model.repository import CUDA_PROVIDER as CUDA
 from minilm_embed.model.runtime import run_graph
-from minilm_embed.server.backend import OnnxBackend, open_repository, plan_instances
+from minilm_embed.server.backend import BoundSession, OnnxBackend, bucket, open_repository, plan_instances
 
 
 @pytest.mark.parametrize(
@@ -111,3 +111,37 @@ def test_concurrent_runs_each_get_their_own_batch_answer(repo, threads):
     for i, (normalised, pooled) in enumerate(want):
         np.testing.assert_allclose(got[i][0], normalised, rtol=0, atol=1e-6)
         np.testing.assert_allclose(got[i][1], pooled, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rows", "positions", "bucketed"),
+    [(1, 1, (1, 16)), (3, 17, (4, 32)), (33, 100, (64, 128)), (256, 256, (256, 256)), (5, 129, (8, 192))],
+)
+def test_cuda_batches_are_padded_up_to_few_shapes(rows, positions, bucketed):
+    assert bucket(rows, positions) == bucketed
+
+
+def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_reuses_its_buffers(repo):
+    """The CUDA path's I/O binding (device buffers per shape bucket, rows and positions padded), run
+    here on CPU buffers: the same code, without a GPU."""
+    session = cpu_session(repo.path(repo.graph_for(CPU, "fp32")), 1)
+    bound = BoundSession(session, repo.dimensions, device="cpu")
+    rng = np.random.default_rng(0)
+    worst = 1.0
+    for _ in range(30):
+        rows = int(rng.integers(1, 40))
+        lengths = rng.integers(1, 140, rows)
+        ids = rng.integers(1000, 30000, (rows, int(lengths.max())))
+        ids[np.arange(ids.shape[1]) >= lengths[:, None]] = 0
+        got, got_pooled = bound.run(ids, lengths)
+        want, want_pooled = run_graph(session, ids, lengths)
+        assert got.shape == want.shape == (rows, repo.dimensions)
+        worst = min(worst, float(np.min(np.sum(got * want, axis=1))))
+        np.testing.assert_allclose(got_pooled, want_pooled, atol=1e-4)
+    assert worst >= 0.99999
+    assert len(bound.shapes) <= 6 * 7  # rows 1..64 in 7 powers of two, positions in 6 buckets
+    shape = next(iter(bound.shapes.values()))
+    buffer = shape.device_ids.data_ptr()
+    key = next(iter(bound.shapes))
+    bound.run(np.ones((key[0], key[1]), np.int64), np.full(key[0], key[1], np.int64))
+    assert bound.shapes[key] is shape and shape.device_ids.data_ptr() == buffer  # reused, not remade

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from minilm_embed.export import parity
+from minilm_embed.export.fp16 import FP16_SKIPPED
 from minilm_embed.export.onnx import OPSET, WORD_EMBEDDINGS
 from minilm_embed.export.optimize import (
     CPU_DISABLED_OPTIMIZERS,
@@ -42,7 +43,13 @@ from minilm_embed.export.parity import (
     run_parity,
 )
 from minilm_embed.model.evaluate import length_sorted, torch_embedder
-from minilm_embed.model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, WORD_EMBEDDINGS_FILE
+from minilm_embed.model.repository import (
+    CPU_PROVIDER,
+    CUDA_PROVIDER,
+    FP32_FILE,
+    INT8_FILE,
+    WORD_EMBEDDINGS_FILE,
+)
 from minilm_embed.model.tokenizer import pad_batch
 from minilm_embed.model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
 
@@ -149,10 +156,15 @@ def test_manifest_describes_the_export(exported, manifest, encoder_and_checkpoin
     assert manifest["pooling"] == "mean" and manifest["normalize"] is True
     assert manifest["opset"] == OPSET == 17
     assert manifest["ir_version"] <= 13
-    [graph] = manifest["graphs"]  # no int8 graph: that needs a data directory to calibrate
-    assert graph["provider"] == CPU_PROVIDER and graph["file"] == "model.onnx"
-    assert graph["precision"] == "fp32"
-    assert graph["disabled_optimizers"] == list(CPU_DISABLED_OPTIMIZERS)
+    # No int8 graph (calibrated on STS-B train, needs a data directory), no fp16 graph (gated on a
+    # GPU, which this machine lacks): fp32 for each provider, CUDA's with no fusion disabled.
+    cpu, cuda = manifest["graphs"]
+    assert cpu["provider"] == CPU_PROVIDER and cpu["file"] == "model.onnx"
+    assert cpu["precision"] == "fp32"
+    assert cpu["disabled_optimizers"] == list(CPU_DISABLED_OPTIMIZERS)
+    assert cuda["provider"] == CUDA_PROVIDER and cuda["file"] == "model.onnx"
+    assert cuda["precision"] == "fp32" and cuda["disabled_optimizers"] == []
+    assert manifest["parity_fp16"] == {"skipped": FP16_SKIPPED}
 
 
 def test_manifest_records_every_parity_check_passed(manifest):
