@@ -187,8 +187,11 @@ class OnnxBackend:
 
 
 # Token positions a CUDA batch is padded up to, and its rows up to the next power of two: ORT then
-# sees at most 7 x 9 shapes (rows 1..256), each with device buffers made once and reused. Padded
-# positions and rows (length 0) are masked in the graph and cost only attention, a small share here.
+# sees at most 7 x 9 shapes (rows 1..256), each with device buffers made once and reused. GPU memory
+# stayed at 5,092 MiB over 10,000 random batches on an H200 (README, "GPU"). Padded positions and
+# rows (length 0) are masked in the graph and cost attention only, which is large on the GPU: this
+# path ran 11% below plain `session.run` on exact shapes there; finer buckets are the next thing to
+# measure.
 SEQUENCE_BUCKETS = (16, 32, 64, 96, 128, 192, 256)
 
 
