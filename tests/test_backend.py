@@ -128,9 +128,9 @@ def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_r
     bound = BoundSession(session, repo.dimensions, device="cpu")
     rng = np.random.default_rng(0)
     worst = 1.0
-    for _ in range(30):
-        rows = int(rng.integers(1, 40))
-        lengths = rng.integers(1, 140, rows)
+    for _ in range(24):  # small batches: on one CPU thread the padded attention is what costs
+        rows = int(rng.integers(1, 13))
+        lengths = rng.integers(1, 100, rows)
         ids = rng.integers(1000, 30000, (rows, int(lengths.max())))
         ids[np.arange(ids.shape[1]) >= lengths[:, None]] = 0
         got, got_pooled = bound.run(ids, lengths)
@@ -139,7 +139,7 @@ def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_r
         worst = min(worst, float(np.min(np.sum(got * want, axis=1))))
         np.testing.assert_allclose(got_pooled, want_pooled, atol=1e-4)
     assert worst >= 0.99999
-    assert len(bound.shapes) <= 6 * 7  # rows 1..64 in 7 powers of two, positions in 6 buckets
+    assert 4 <= len(bound.shapes) <= 5 * 5  # rows 1..12 in 5 powers of two, positions in 5 buckets
     shape = next(iter(bound.shapes.values()))
     buffer = shape.device_ids.data_ptr()
     key = next(iter(bound.shapes))
