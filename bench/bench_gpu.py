@@ -46,7 +46,8 @@ from minilm_embed.model.data import read_sts, sts_path
 from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, open_repository
 from minilm_embed.model.runtime import new_session, run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
-from minilm_embed.server.backend import OnnxBackend
+from minilm_embed.server.backend import OnnxBackend, bucket
+from tests.gpu_memory import gpu_memory_mib
 from tests.server_process import start_server
 
 # Dense fp16 tensor-core FLOP/s (no sparsity) by device name, from NVIDIA's data sheets (SXM parts).
@@ -71,37 +72,6 @@ def gpu_name() -> str:
         check=False,
     )
     return out.stdout.strip() or "unknown"
-
-
-def gpu_memory_mib(pid: int | None = None) -> float:
-    """GPU memory used by `pid` and its children (nvidia-smi's per-process figure); where nvidia-smi
-    lists no process (a container's PID namespace hides them), the whole GPU's used memory."""
-    apps = _smi("--query-compute-apps=pid,used_memory")
-    pids = None if pid is None else _tree(pid)
-    listed = [(int(p), float(m)) for p, _, m in (line.partition(",") for line in apps) if p.strip().isdigit()]
-    if not listed:
-        return sum(float(line) for line in _smi("--query-gpu=memory.used") if line.strip())
-    return sum(m for p, m in listed if pids is None or p in pids)
-
-
-def _smi(query: str) -> list[str]:
-    out = subprocess.run(
-        ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
-    )
-    return out.stdout.splitlines()
-
-
-def _tree(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        found.add(p)
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
 
 
 def sentences(data_dir: Path | None) -> list[str]:
@@ -141,11 +111,14 @@ def _seconds(run: Any, calls: int) -> float:
     return time.perf_counter() - started
 
 
-def backend_rates(
-    model_dir: Path, precision: str, work: dict[str, list[list[int]]], repeats: int
-) -> tuple[list[Rate], OnnxBackend]:
+def cuda_backend(model_dir: Path, precision: str) -> OnnxBackend:
     backend = OnnxBackend(open_repository(model_dir), "cuda", precision=precision)
     assert backend.provider == CUDA_PROVIDER, backend.provider
+    return backend
+
+
+def backend_rates(backend: OnnxBackend, work: dict[str, list[list[int]]], repeats: int) -> list[Rate]:
+    precision = backend.precision
     rates = []
     for name, rows in work.items():
         tokens = sum(len(r) for r in rows)
@@ -165,7 +138,7 @@ def backend_rates(
                 Rate(f"ORT {precision}, server backend", name, batch, len(rows) / seconds, tokens / seconds)
             )
             print(f"  {rates[-1]}", file=sys.stderr)
-    return rates, backend
+    return rates
 
 
 def plain_run_rate(path: Path, rows: list[list[int]], batch: int, workload: str, repeats: int) -> Rate:
@@ -252,11 +225,13 @@ def memory_flat(
     backend: OnnxBackend, batches: int = 10_000, warm: int = 200, seed: int = 0
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
+    shapes = set()
 
     def one() -> None:
         rows = int(rng.integers(1, 129))
         lengths = rng.integers(1, 257, rows)
         ids = rng.integers(1000, 30000, (rows, int(lengths.max())))
+        shapes.add(bucket(*ids.shape))
         backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
     for _ in range(warm):
@@ -271,17 +246,8 @@ def memory_flat(
         "after_warm_mib": before,
         "after_all_mib": after,
         "seconds": time.perf_counter() - started,
-        "buckets_met": sum(len(getattr(s, "shapes", ())) for s in _bound(backend)),
+        "buckets_met": len(shapes),
     }
-
-
-def _bound(backend: OnnxBackend) -> list[Any]:
-    sessions = []
-    while not backend._free.empty():
-        sessions.append(backend._free.get())
-    for s in sessions:
-        backend._free.put(s)
-    return sessions
 
 
 def served(
@@ -413,9 +379,9 @@ def main() -> int:
         import torch
 
         torch.cuda.empty_cache()  # the peer's memory back: the served rows report GPU memory
-    fp32, backend32 = backend_rates(args.model_dir, "fp32", rows, args.repeats)
-    del backend32
-    fp16, backend16 = backend_rates(args.model_dir, "fp16", rows, args.repeats)
+    fp32 = backend_rates(cuda_backend(args.model_dir, "fp32"), rows, args.repeats)
+    backend16 = cuda_backend(args.model_dir, "fp16")
+    fp16 = backend_rates(backend16, rows, args.repeats)
     rates += fp32 + fp16
     best = {w: max((r for r in fp16 if r.workload == w), key=lambda r: r.tokens_per_s) for w in rows}
     rates += [

@@ -208,6 +208,7 @@ class BoundShape:
     def __init__(
         self, session: ort.InferenceSession, rows: int, positions: int, dims: int, device: str = "cuda"
     ) -> None:
+        self.session = session
         self.ids = np.zeros((rows, positions), np.int64)
         self.lengths = np.zeros(rows, np.int64)
         new = ort.OrtValue.ortvalue_from_shape_and_type
@@ -221,9 +222,7 @@ class BoundShape:
         self.binding.bind_ortvalue_output(EMBEDDINGS, self.embeddings)
         self.binding.bind_ortvalue_output(POOLED, self.pooled)
 
-    def run(
-        self, session: ort.InferenceSession, ids: np.ndarray, lengths: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows, positions = ids.shape
         self.ids[:rows, :positions] = ids
         self.ids[:rows, positions:] = 0
@@ -232,7 +231,7 @@ class BoundShape:
         self.lengths[rows:] = 0
         self.device_ids.update_inplace(self.ids)  # one copy to the device per input per batch
         self.device_lengths.update_inplace(self.lengths)
-        session.run_with_iobinding(self.binding)
+        self.session.run_with_iobinding(self.binding)
         return self.embeddings.numpy()[:rows], self.pooled.numpy()[:rows]  # one copy back per output
 
 
@@ -251,4 +250,4 @@ class BoundSession:
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = BoundShape(self.session, *key, self.dims, self.device)
-        return shape.run(self.session, ids, lengths)
+        return shape.run(ids, lengths)

@@ -20,6 +20,7 @@ from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, FP32_FILE, T
 from minilm_embed.model.runtime import gpu_present
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from tests.gpu_memory import gpu_memory_mib
 from tests.server_process import ROOT, loopback_command, model_dir, start_server
 
 GPU = gpu_present() and CUDA_PROVIDER in ort.get_available_providers()
@@ -122,27 +123,11 @@ def test_gpu_memory_stays_flat_over_random_batch_shapes(repo):
             backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
     batches(300)  # every bucket met at least once (7 lengths x 8 row counts)
-    before = used_mib(os.getpid())
+    before = gpu_memory_mib(os.getpid())
     batches(2000)
-    after = used_mib(os.getpid())
+    after = gpu_memory_mib(os.getpid())
     assert before > 0
     assert after - before <= 16, (before, after)
-
-
-def used_mib(pid: int) -> float:
-    """This process's GPU memory (nvidia-smi), or the whole GPU's where no process is listed (a
-    container's PID namespace hides them; the GPU is then this test's alone)."""
-
-    def query(what: str) -> list[str]:
-        out = subprocess.run(
-            ["nvidia-smi", what, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.splitlines()
-
-    listed = [line.partition(",") for line in query("--query-compute-apps=pid,used_memory")]
-    if not listed:
-        return sum(float(line) for line in query("--query-gpu=memory.used"))
-    return sum(float(m) for p, _, m in listed if int(p) == pid)
 
 
 if __name__ == "__main__":
