@@ -31,6 +31,12 @@ class ServerConfig:
     # How long an HTTP request body may take to arrive; its bytes are held against the front's budgets
     # meanwhile, so a stalled upload must end (408), not hold them for good.
     http_body_timeout_s: float = 30.0
+    # How long an HTTP connection may take to send a request's headers (its first, or its next once
+    # an answer has gone out); then 408 and closed. uvicorn has no such limit: 20,000 connections
+    # that never sent a byte held a front's file descriptors for good, gRPC's listener included.
+    http_header_timeout_s: float = 10.0
+    # HTTP connections open at once per front; a connection past it is answered 429 and closed.
+    http_max_connections: int = 1024
     model_dir: Path = Path("build/model")
     device: Device = "auto"
     # auto: the provider's first graph (fp32 on the CPU); int8 is an opt-in on the CPU provider.
@@ -64,6 +70,11 @@ class ServerConfig:
     max_request_bytes_held: int = 64 * 1024 * 1024
     max_stream_in_flight: int = 64
     max_concurrent_streams: int = 1024
+    # Embedding-service calls (Embed, EmbedStream, Tokenize, Info) served at once per front; past it
+    # a call is refused (RESOURCE_EXHAUSTED) before its message is read. The byte budgets below count
+    # a request once read, and gRPC reads each admitted call's whole message: 1,200 callers of 2 MiB
+    # took one front to 2,470 MiB without this, 1,525 at 256, 1,112 at 128, 693 at 64 (README).
+    max_concurrent_calls: int = 128
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).
     model_instances: int = 0
     threads: int = 0
@@ -94,6 +105,8 @@ class ServerConfig:
             "queue_limit",
             "max_stream_in_flight",
             "max_concurrent_streams",
+            "max_concurrent_calls",
+            "http_max_connections",
             "max_message_bytes",
             "max_text_chars",
             "max_tokenizing_chars",
@@ -114,8 +127,9 @@ class ServerConfig:
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}): requests being "
                 "handled are held too"
             )
-        if self.http_body_timeout_s <= 0:
-            raise ValueError(f"http_body_timeout_s must be more than 0, not {self.http_body_timeout_s}")
+        for name in ("http_body_timeout_s", "http_header_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be more than 0, not {getattr(self, name)}")
         for name in ("max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
@@ -150,6 +164,13 @@ _HELP = {
         "seconds an HTTP request body may take to arrive (its size is held against the front's "
         "budgets meanwhile); then 408"
     ),
+    "http_header_timeout_s": (
+        "seconds an HTTP connection may take to send a request's headers (its first, or its next "
+        "after an answer); then 408 and the connection closed"
+    ),
+    "http_max_connections": (
+        "HTTP connections open at once per front process; past it a new one gets 429 and is closed"
+    ),
     "model_dir": "model repository written by `python -m minilm_embed.export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
@@ -177,6 +198,10 @@ _HELP = {
     ),
     "max_stream_in_flight": "unanswered items per EmbedStream before the server stops reading it",
     "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",
+    "max_concurrent_calls": (
+        "embedding-service calls served at once per front process, streams included; past it a call "
+        "gets RESOURCE_EXHAUSTED before its message is read (health checks are not counted)"
+    ),
     "model_instances": (
         "batches computed at once (0: as many as fit the cores at --threads, at most 2; 1 on CUDA)"
     ),

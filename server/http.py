@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold
@@ -470,10 +471,102 @@ class HttpListener:
             await self.task
 
 
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 connection with the two bounds uvicorn lacks, set per listener (`bounded_h11`):
+    at most `max_connections` open (one past it is answered 429 and closed), and `header_timeout_s`
+    for a request's headers to arrive, the first or the next after an answer (then 408 and closed;
+    closed without an answer if not a byte came).
+    Without them 20,000 connections that never sent a byte held a front's file descriptors for good,
+    and its gRPC listener could accept nothing more. A body's own time is http_body_timeout_s."""
+
+    max_connections = 1024
+    header_timeout_s = 10.0
+    metrics: Metrics | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._waiting_after: object = None  # the cycle answered last when the timer was set
+        if len(self.connections) > self.max_connections:
+            if self.metrics is not None:
+                self.metrics.refusals.labels("http_connections").inc()
+            message = (
+                f"front busy: {len(self.connections) - 1} HTTP connections open, http_max_connections "
+                f"is {self.max_connections}; retry with backoff"
+            )
+            self._refuse(429, "Too Many Requests", "rate_limit_error", message)
+            return
+        self._wait_for_headers()
+
+    def _wait_for_headers(self) -> None:
+        self._waiting_after = self.cycle
+        self._bytes_came = False
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def data_received(self, data: bytes) -> None:
+        self._bytes_came = True
+        super().data_received(data)
+
+    def _stop_waiting(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._header_timer is not None and self.cycle is not self._waiting_after:
+            self._stop_waiting()  # a request's headers arrived: its cycle began
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._header_timer is None and self.cycle.response_complete:
+            self._wait_for_headers()  # the next request's, however its bytes come (keep-alive aside)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def _headers_late(self) -> None:
+        """408 to a request begun and not finished; a connection that sent nothing is closed as
+        uvicorn closes one idle after an answer (an answer to nothing would be read as the answer
+        to the request a client sends next on it)."""
+        self._header_timer = None
+        if self.cycle is not self._waiting_after or self.transport.is_closing():
+            return
+        if not self._bytes_came:
+            self.transport.close()
+        else:
+            message = (
+                f"the request's headers had not all arrived after {self.header_timeout_s:g} s, the "
+                f"limit http_header_timeout_s={self.header_timeout_s:g}"
+            )
+            self._refuse(408, "Request Timeout", "invalid_request_error", message)
+
+    def _refuse(self, status: int, reason: str, kind: str, message: str) -> None:
+        """An answer written before (or instead of) reading a request, then the connection closed."""
+        body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+        head = (
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def bounded_h11(config: ServerConfig, metrics: Metrics | None) -> type[BoundedH11]:
+    """BoundedH11 with this server's limits (uvicorn makes one protocol object per connection)."""
+    limits = {
+        "max_connections": config.http_max_connections,
+        "header_timeout_s": config.http_header_timeout_s,
+        "metrics": metrics,
+    }
+    return type("BoundedH11", (BoundedH11,), limits)
+
+
 def http_listener(api: HttpApi, sock: socket.socket, config: ServerConfig) -> HttpListener:
     settings = uvicorn.Config(
         api.app(),
-        http="h11",
+        http=bounded_h11(config, api.metrics),
         lifespan="off",
         log_config=None,
         access_log=False,

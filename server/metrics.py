@@ -36,8 +36,9 @@ LARGEST_CLASS = "65+"
 DROP_REASONS = ("deadline", "cancelled", "failed")
 # What refused a request at once: the engine's queue (--queue-limit), or one of a front's budgets:
 # bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
-# (--max-tokenizing-chars). The first says the model is saturated, the others the fronts.
-REFUSAL_REASONS = ("queue", "request_bytes", "request_bytes_held", "tokenizing")
+# (--max-tokenizing-chars), gRPC calls being served (--max-concurrent-calls), HTTP connections open
+# (--http-max-connections). The first says the model is saturated, the others the fronts.
+REFUSAL_REASONS = ("queue", "request_bytes", "request_bytes_held", "tokenizing", "calls", "http_connections")
 
 
 def size_class(inputs: int) -> str:
@@ -103,7 +104,8 @@ class Metrics:
             "embed_requests_in_flight", "RPCs being served.", registry=r, multiprocess_mode="livesum"
         )
         # reason: "queue" (full; counted where admission is checked: the batcher, a front's engine
-        # client), "request_bytes" or "tokenizing" (a front's budgets, embedder.py).
+        # client), "request_bytes" or "tokenizing" (a front's budgets, embedder.py), "calls"
+        # (service.py), "http_connections" (http.py).
         self.refusals = Counter(
             "embed_requests_refused",
             "Requests refused at once (RESOURCE_EXHAUSTED), by the limit that refused them.",

@@ -101,10 +101,13 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         trailing = ((logs.REQUEST_ID_HEADER, request_id),)  # as on the service's own refusals
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        refuse, handler.request_deserializer, handler.response_serializer
-    )
+    # The handler's own kind: refused before its request is read, as the service refuses past its
+    # calls (a unary method is served as stream-unary there).
+    kinds = {
+        (True, True): grpc.stream_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (False, False): grpc.unary_unary_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(refuse, handler.request_deserializer, handler.response_serializer)

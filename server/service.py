@@ -9,10 +9,11 @@ trailing metadata whatever the outcome.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -48,13 +49,20 @@ def parse(message: type[M], data: bytes) -> M:
 
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     def __init__(
-        self, embedder: Embedder, metrics: Metrics, max_stream_in_flight: int, max_message_bytes: int
+        self,
+        embedder: Embedder,
+        metrics: Metrics,
+        max_stream_in_flight: int,
+        max_message_bytes: int,
+        max_calls: int = 256,
     ) -> None:
         self.embedder = embedder
         self.info: pb.InfoResponse | None = None  # set once the engine is warm (front.start)
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
         self.max_message_bytes = max_message_bytes
+        self.max_calls = max_calls
+        self.calls = 0  # calls being served (admitted, not yet ended): see `admitted`
         self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
@@ -95,6 +103,32 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             raise
         finally:
             self._record("EmbedStream", code, started)
+
+    async def refuse_past_max_calls(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """RESOURCE_EXHAUSTED at once when max_calls calls are being served; else returns."""
+        if self.calls < self.max_calls:
+            return
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        self.metrics.refusals.labels("calls").inc()
+        self._record(method, grpc.StatusCode.RESOURCE_EXHAUSTED, started)
+        trailing = self._request_id(context)
+        message = (
+            f"front busy: {self.calls} calls being served, max_concurrent_calls is {self.max_calls}; "
+            "retry with backoff"
+        )
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing)
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        """One call being served, until it ends however it ends. Taken in the handler's own frame
+        after `refuse_past_max_calls`, with no await between: a count kept by an interceptor would
+        leak every call cancelled before its handler ran."""
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
 
     async def _serve(
         self,
@@ -260,19 +294,53 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
 def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
     """Add the service, its requests unparsed (bytes): the servicer parses each one once it is
-    admitted (and answers INVALID_ARGUMENT for bytes that do not parse, not gRPC's INTERNAL)."""
+    admitted (and answers INVALID_ARGUMENT for bytes that do not parse, not gRPC's INTERNAL).
+
+    The unary methods are served as stream-unary ones: gRPC reads a unary call's whole message
+    before its handler runs, and a call past max_calls must be refused before that (see
+    `EmbeddingService.admitted`). To a caller they are the same calls.
+    """
     handlers = {
-        "Embed": grpc.unary_unary_rpc_method_handler(service.Embed, None, pb.EmbedResponse.SerializeToString),
+        "Embed": _unary(service, "Embed", service.Embed, pb.EmbedResponse),
         "EmbedStream": grpc.stream_stream_rpc_method_handler(
-            service.EmbedStream, None, pb.EmbedStreamResponse.SerializeToString
+            _counted_stream(service), None, pb.EmbedStreamResponse.SerializeToString
         ),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            service.Tokenize, None, pb.TokenizeResponse.SerializeToString
-        ),
-        "Info": grpc.unary_unary_rpc_method_handler(service.Info, None, pb.InfoResponse.SerializeToString),
+        "Tokenize": _unary(service, "Tokenize", service.Tokenize, pb.TokenizeResponse),
+        "Info": _unary(service, "Info", service.Info, pb.InfoResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _unary(
+    service: EmbeddingService,
+    method: str,
+    behaviour: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]],
+    response: type[Message],
+) -> grpc.RpcMethodHandler:
+    async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
+        await service.refuse_past_max_calls(method, context)
+        with service.counted():
+            async for data in requests:  # the call's one message, read once it is admitted
+                return await behaviour(data, context)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without its request")
+        raise AssertionError("unreachable: abort raises")
+
+    return grpc.stream_unary_rpc_method_handler(call, None, response.SerializeToString)
+
+
+def _counted_stream(
+    service: EmbeddingService,
+) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], AsyncIterator[pb.EmbedStreamResponse]]:
+    async def call(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EmbedStreamResponse]:
+        await service.refuse_past_max_calls("EmbedStream", context)
+        with service.counted():
+            async for response in service.EmbedStream(requests, context):
+                yield response
+
+    return call
 
 
 def _inputs(request: object) -> int:

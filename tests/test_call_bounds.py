@@ -1,0 +1,187 @@
+"""The bounds on how much a front takes in at once, whatever each request's size: gRPC calls being
+served (`--max-concurrent-calls`), HTTP connections open (`--http-max-connections`) and the time an
+HTTP connection may take to send a request's headers (`--http-header-timeout-s`). A real server with
+the real model, each bound set small; what lies past each is answered, named, counted, and leaves
+the rest of the server serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2
+
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from tests.server_process import ServerProcess, flags, serving
+from tests.test_server import metric
+
+CALLS = 2
+CONNECTIONS = 3
+HEADER_TIMEOUT_S = 1.0
+FLAGS = {
+    "max_concurrent_calls": CALLS,
+    "http_max_connections": CONNECTIONS,
+    "http_header_timeout_s": HEADER_TIMEOUT_S,
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with serving(*flags(FLAGS)) as process:
+        yield process
+
+
+class HeldStream:
+    """An EmbedStream call that sends nothing until ended: one call being served, for as long as
+    the test wants."""
+
+    def __init__(self, stub: pb_grpc.EmbeddingServiceStub) -> None:
+        self._items: queue.Queue[pb.EmbedStreamRequest | None] = queue.Queue()
+        self.call = stub.EmbedStream(iter(self._items.get, None), timeout=60)
+        self.answers: list[pb.EmbedStreamResponse] = []
+        self.error: grpc.RpcError | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            self.answers.extend(self.call)
+        except grpc.RpcError as e:
+            self.error = e
+
+    def end(self, text: str = "the last item") -> None:
+        self._items.put(pb.EmbedStreamRequest(id="last", request=pb.EmbedRequest(texts=[text])))
+        self._items.put(None)
+        self._reader.join(30)
+
+
+def embed(stub: pb_grpc.EmbeddingServiceStub, texts: list[str]) -> grpc.RpcError | pb.EmbedResponse:
+    try:
+        return stub.Embed(pb.EmbedRequest(texts=texts), timeout=30)
+    except grpc.RpcError as e:
+        return e
+
+
+def hold_every_place(server: ServerProcess, stub: pb_grpc.EmbeddingServiceStub) -> list[HeldStream]:
+    """CALLS held streams, returned once the front serves them all (its in-flight gauge says so)."""
+    held = [HeldStream(stub) for _ in range(CALLS)]
+    deadline = time.monotonic() + 20
+    while metric(server, "embed_requests_in_flight") < CALLS:
+        assert time.monotonic() < deadline, [s.error for s in held]
+        time.sleep(0.05)
+    assert all(s.error is None for s in held), [s.error for s in held]
+    return held
+
+
+def test_a_call_past_max_concurrent_calls_is_refused_named_and_counted_and_health_still_answers(
+    server: ServerProcess,
+) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        refused_before = metric(server, "embed_requests_refused_total", reason="calls")
+        held = hold_every_place(server, stub)
+        # 1.5 MB: refused before gRPC reads its message, so before the front's byte budgets see it.
+        refused = embed(stub, ["word " * 20_000] * 15)
+        assert isinstance(refused, grpc.RpcError)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert f"{CALLS} calls being served, max_concurrent_calls is {CALLS}" in str(refused.details())
+        assert dict(refused.trailing_metadata() or ()).get("x-request-id")
+        assert server.health() == health_pb2.HealthCheckResponse.SERVING  # not an embedding call
+        assert metric(server, "embed_requests_refused_total", reason="calls") >= refused_before + 1
+        assert metric(server, "embed_requests_refused_total", reason="request_bytes") == 0
+        for stream in held:
+            stream.end()
+        assert all(s.error is None and [a.id for a in s.answers] == ["last"] for s in held)
+        answered = embed(stub, ["served again once the streams ended"])
+        assert isinstance(answered, pb.EmbedResponse) and len(answered.embeddings) == 1
+
+
+def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProcess) -> None:
+    """Calls cancelled while their message arrives, while queued, or held open all end counted out:
+    afterwards exactly CALLS calls are served at once, as before."""
+
+    async def cancel_many() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.EmbeddingServiceStub(channel)
+            large = pb.EmbedRequest(texts=["word " * 20_000] * 15)
+            for delay in (0.0, 0.001, 0.005, 0.02, 0.1) * 8:
+                calls = [stub.Embed(large, timeout=30), stub.EmbedStream(timeout=30)]
+                await asyncio.sleep(delay)
+                for call in calls:
+                    call.cancel()
+
+    asyncio.run(cancel_many())
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        # Once the cancelled calls have ended in the front: every place free again.
+        deadline = time.monotonic() + 20
+        while metric(server, "embed_requests_in_flight") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        held = hold_every_place(server, stub)  # both admitted: no place was kept by a cancelled call
+        refused = embed(stub, ["one more"])
+        assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for stream in held:
+            stream.end()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    sock.settimeout(HEADER_TIMEOUT_S + 10)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+def test_http_connections_past_the_cap_get_429_and_silent_ones_are_closed_while_grpc_serves(
+    server: ServerProcess,
+) -> None:
+    port = server.http_port
+    assert port is not None
+    started = time.monotonic()
+    open_ = [socket.create_connection(("127.0.0.1", port)) for _ in range(CONNECTIONS)]
+    open_[0].sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")  # headers begun, never ended
+    time.sleep(0.3)  # all accepted
+    extra = socket.create_connection(("127.0.0.1", port))
+    answer = read_answer(extra)
+    assert answer.startswith(b"HTTP/1.1 429 "), answer
+    assert f"{CONNECTIONS} HTTP connections open, http_max_connections is {CONNECTIONS}".encode() in answer
+    assert metric(server, "embed_requests_refused_total", reason="http_connections") >= 1
+    with grpc.insecure_channel(server.address) as channel:  # the front's other listener serves
+        served = embed(pb_grpc.EmbeddingServiceStub(channel), ["gRPC is not held up"])
+        assert isinstance(served, pb.EmbedResponse)
+    late = read_answer(open_[0])
+    assert late.startswith(b"HTTP/1.1 408 "), late
+    assert f"http_header_timeout_s={HEADER_TIMEOUT_S:g}".encode() in late
+    assert [read_answer(s) for s in open_[1:]] == [b"", b""]  # sent nothing: closed, no answer
+    assert time.monotonic() - started < HEADER_TIMEOUT_S + 8
+    for s in [*open_, extra]:
+        s.close()
+    # The places are free again, and requests are answered as before.
+    with httpx.Client(base_url=server.http_url, timeout=30) as client:
+        statuses = [client.get("/health").status_code for _ in range(3)]
+        assert statuses == [200, 200, 200]
+
+
+def test_a_connection_that_begins_its_next_request_and_stalls_gets_408_after_an_answer(
+    server: ServerProcess,
+) -> None:
+    """The header timeout applies to each request on a kept-alive connection, not only the first."""
+    port = server.http_port
+    assert port is not None
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        first = sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # the next request, begun and left
+        answers = first + read_answer(sock)  # the rest of the first answer, then the 408
+        assert answers.index(b"HTTP/1.1 408 ") > answers.index(b'{"status":"serving"}'), answers
