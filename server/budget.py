@@ -4,6 +4,8 @@ naming the setting and the figures, before the work it would cost is done."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 
 from minilm_embed.server.errors import InvalidInput, Overloaded
 
@@ -115,3 +117,49 @@ def held_bytes_budget(limit: int) -> Budget:
     inputs, not bytes: one short input padded to 2 MiB (an unknown field) held 4.2 MiB of a front
     while it waited, so 4,096 of them would have taken 17 GB."""
     return Budget(limit, "max_request_bytes_held", "bytes of requests not yet answered")
+
+
+class Places:
+    """`limit` calls served at once, and up to `waiting_limit` more waiting in turn (first come, first
+    served) for a place; past both, `take` is refused. A waiting call has read nothing yet."""
+
+    def __init__(self, limit: int, waiting_limit: int) -> None:
+        self.limit = limit
+        self.waiting_limit = waiting_limit
+        self.taken = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def full(self) -> bool:
+        """No place now, and no room to wait for one."""
+        return self.taken >= self.limit and len(self._waiters) >= self.waiting_limit
+
+    async def take(self) -> None:
+        """A place, at once or in turn. Cancelled while waiting, it takes none (a place handed to it
+        in that instant goes on to the next in turn)."""
+        if self.taken < self.limit and not self._waiters:
+            self.taken += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self.give_back()  # handed a place it will not use
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(turn)
+            raise
+
+    def give_back(self) -> None:
+        """The place goes to the first call still waiting, else back to the free ones."""
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.taken -= 1

@@ -71,10 +71,14 @@ class ServerConfig:
     max_stream_in_flight: int = 64
     max_concurrent_streams: int = 1024
     # Embedding-service calls (Embed, EmbedStream, Tokenize, Info) served at once per front; past it
-    # a call is refused (RESOURCE_EXHAUSTED) before its message is read. The byte budgets below count
+    # a call waits in turn, or is refused, before its message is read. The byte budgets below count
     # a request once read, and gRPC reads each admitted call's whole message: 1,200 callers of 2 MiB
     # took one front to 2,470 MiB without this, 1,525 at 256, 1,112 at 128, 693 at 64 (README).
     max_concurrent_calls: int = 128
+    # Calls waiting in turn for one of those places (they have read nothing yet: a waiting call costs
+    # gRPC's buffers of its stream's window, not its message); past it a call is refused at once. 200
+    # concurrent single-sentence callers on one front are served, not refused.
+    max_waiting_calls: int = 512
     # Batches computed at once, and ONNX Runtime intra-op threads per instance; 0: auto (backend.py).
     model_instances: int = 0
     threads: int = 0
@@ -127,6 +131,8 @@ class ServerConfig:
                 f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}): requests being "
                 "handled are held too"
             )
+        if self.max_waiting_calls < 0:
+            raise ValueError(f"max_waiting_calls must be 0 or more, not {self.max_waiting_calls}")
         for name in ("http_body_timeout_s", "http_header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be more than 0, not {getattr(self, name)}")
@@ -200,7 +206,11 @@ _HELP = {
     "max_concurrent_streams": "concurrent HTTP/2 streams (calls) per connection",
     "max_concurrent_calls": (
         "embedding-service calls served at once per front process, streams included; past it a call "
-        "gets RESOURCE_EXHAUSTED before its message is read (health checks are not counted)"
+        "waits in turn (max_waiting_calls) before its message is read (health checks not counted)"
+    ),
+    "max_waiting_calls": (
+        "calls waiting per front process for a place among max_concurrent_calls, having read nothing; "
+        "past it a call gets RESOURCE_EXHAUSTED at once"
     ),
     "model_instances": (
         "batches computed at once (0: as many as fit the cores at --threads, at most 2; 1 on CUDA)"

@@ -205,14 +205,19 @@ def create_front(
         tracer=tracer,
     )
     service = EmbeddingService(
-        embedder, metrics, config.max_stream_in_flight, config.max_message_bytes, config.max_concurrent_calls
+        embedder,
+        metrics,
+        config.max_stream_in_flight,
+        config.max_message_bytes,
+        config.max_concurrent_calls,
+        config.max_waiting_calls,
     )
     token = load_token(config.auth_token, config.auth_token_file)
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
     interceptors += [BearerAuth(token, metrics)] if token else []
-    # gRPC's own cap on calls, over every service: the backstop for those max_concurrent_calls does
+    # gRPC's own cap on calls, over every service: the backstop for those the service's places do
     # not count (health checks, reflection), each of which gRPC reads whole as well.
-    calls = config.max_concurrent_calls + OTHER_CALLS
+    calls = config.max_concurrent_calls + config.max_waiting_calls + OTHER_CALLS
     server = grpc.aio.server(
         options=grpc_options(config), interceptors=interceptors, maximum_concurrent_rpcs=calls
     )

@@ -9,11 +9,10 @@ trailing metadata whatever the outcome.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -23,7 +22,7 @@ from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
-from minilm_embed.server.budget import Hold
+from minilm_embed.server.budget import Hold, Places
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
 from minilm_embed.server.errors import InvalidInput, NotReady, ServiceError
 from minilm_embed.server.metrics import Metrics, size_class
@@ -54,15 +53,15 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         metrics: Metrics,
         max_stream_in_flight: int,
         max_message_bytes: int,
-        max_calls: int = 256,
+        max_calls: int = 128,
+        max_waiting: int = 512,
     ) -> None:
         self.embedder = embedder
         self.info: pb.InfoResponse | None = None  # set once the engine is warm (front.start)
         self.metrics = metrics
         self.max_stream_in_flight = max_stream_in_flight
         self.max_message_bytes = max_message_bytes
-        self.max_calls = max_calls
-        self.calls = 0  # calls being served (admitted, not yet ended): see `admitted`
+        self.places = Places(max_calls, max_waiting)  # calls being served, and waiting to be
         self._warned_at = -REPLACED_ID_WARN_EVERY_S
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
@@ -104,9 +103,14 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         finally:
             self._record("EmbedStream", code, started)
 
-    async def refuse_past_max_calls(self, method: str, context: grpc.aio.ServicerContext) -> None:
-        """RESOURCE_EXHAUSTED at once when max_calls calls are being served; else returns."""
-        if self.calls < self.max_calls:
+    async def take_place(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        """A place among the calls being served, at once or in turn; RESOURCE_EXHAUSTED at once when
+        max_calls are served and max_waiting wait. The caller gives it back (`places.give_back`) in
+        a finally entered with no await after this returns: a count kept by an interceptor would
+        leak every call cancelled before its handler ran."""
+        places = self.places
+        if not places.full():
+            await places.take()
             return
         started = time.perf_counter()
         self.metrics.in_flight.inc()
@@ -114,21 +118,11 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self._record(method, grpc.StatusCode.RESOURCE_EXHAUSTED, started)
         trailing = self._request_id(context)
         message = (
-            f"front busy: {self.calls} calls being served, max_concurrent_calls is {self.max_calls}; "
+            f"front busy: {places.taken} calls being served and {places.waiting} waiting, "
+            f"max_concurrent_calls is {places.limit} and max_waiting_calls {places.waiting_limit}; "
             "retry with backoff"
         )
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing)
-
-    @contextlib.contextmanager
-    def counted(self) -> Iterator[None]:
-        """One call being served, until it ends however it ends. Taken in the handler's own frame
-        after `refuse_past_max_calls`, with no await between: a count kept by an interceptor would
-        leak every call cancelled before its handler ran."""
-        self.calls += 1
-        try:
-            yield
-        finally:
-            self.calls -= 1
 
     async def _serve(
         self,
@@ -297,8 +291,8 @@ def register(service: EmbeddingService, server: grpc.aio.Server) -> None:
     admitted (and answers INVALID_ARGUMENT for bytes that do not parse, not gRPC's INTERNAL).
 
     The unary methods are served as stream-unary ones: gRPC reads a unary call's whole message
-    before its handler runs, and a call past max_calls must be refused before that (see
-    `EmbeddingService.admitted`). To a caller they are the same calls.
+    before its handler runs, and a call past max_calls must wait or be refused before that (see
+    `EmbeddingService.take_place`). To a caller they are the same calls.
     """
     handlers = {
         "Embed": _unary(service, "Embed", service.Embed, pb.EmbedResponse),
@@ -319,10 +313,12 @@ def _unary(
     response: type[Message],
 ) -> grpc.RpcMethodHandler:
     async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
-        await service.refuse_past_max_calls(method, context)
-        with service.counted():
-            async for data in requests:  # the call's one message, read once it is admitted
+        await service.take_place(method, context)
+        try:
+            async for data in requests:  # the call's one message, read once it has a place
                 return await behaviour(data, context)
+        finally:
+            service.places.give_back()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without its request")
         raise AssertionError("unreachable: abort raises")
 
@@ -335,10 +331,12 @@ def _counted_stream(
     async def call(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
-        await service.refuse_past_max_calls("EmbedStream", context)
-        with service.counted():
+        await service.take_place("EmbedStream", context)
+        try:
             async for response in service.EmbedStream(requests, context):
                 yield response
+        finally:
+            service.places.give_back()
 
     return call
 

@@ -1,8 +1,8 @@
 """The bounds on how much a front takes in at once, whatever each request's size: gRPC calls being
-served (`--max-concurrent-calls`), HTTP connections open (`--http-max-connections`) and the time an
-HTTP connection may take to send a request's headers (`--http-header-timeout-s`). A real server with
-the real model, each bound set small; what lies past each is answered, named, counted, and leaves
-the rest of the server serving.
+served (`--max-concurrent-calls`) and waiting for a place (`--max-waiting-calls`), HTTP connections
+open (`--http-max-connections`) and the time an HTTP connection may take to send a request's headers
+(`--http-header-timeout-s`). A real server with the real model, each bound set small; what lies past
+each is answered, named, counted, and leaves the rest of the server serving.
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ from grpc_health.v1 import health_pb2
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
+from minilm_embed.server.budget import Places
 from tests.server_process import ServerProcess, flags, serving
 from tests.test_server import metric
 
 CALLS = 2
+WAITING = 1
 CONNECTIONS = 3
 HEADER_TIMEOUT_S = 1.0
 FLAGS = {
     "max_concurrent_calls": CALLS,
+    "max_waiting_calls": WAITING,
     "http_max_connections": CONNECTIONS,
     "http_header_timeout_s": HEADER_TIMEOUT_S,
 }
@@ -82,39 +85,49 @@ def hold_every_place(server: ServerProcess, stub: pb_grpc.EmbeddingServiceStub) 
     return held
 
 
-def test_a_call_past_max_concurrent_calls_is_refused_named_and_counted_and_health_still_answers(
+def test_a_call_past_the_places_waits_one_past_the_waiting_is_refused_named_and_health_answers(
     server: ServerProcess,
 ) -> None:
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
         refused_before = metric(server, "embed_requests_refused_total", reason="calls")
         held = hold_every_place(server, stub)
+        waiting = stub.Embed.future(pb.EmbedRequest(texts=["served once a place frees"]), timeout=60)
+        time.sleep(1.0)
+        assert not waiting.done()  # waits in turn, as gRPC would have kept it waiting for a stream
         # 1.5 MB: refused before gRPC reads its message, so before the front's byte budgets see it.
         refused = embed(stub, ["word " * 20_000] * 15)
         assert isinstance(refused, grpc.RpcError)
         assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-        assert f"{CALLS} calls being served, max_concurrent_calls is {CALLS}" in str(refused.details())
+        named = f"{CALLS} calls being served and {WAITING} waiting, max_concurrent_calls is {CALLS}"
+        assert named in str(refused.details()), refused.details()
+        assert f"max_waiting_calls {WAITING}" in str(refused.details())
         assert dict(refused.trailing_metadata() or ()).get("x-request-id")
         assert server.health() == health_pb2.HealthCheckResponse.SERVING  # not an embedding call
-        assert metric(server, "embed_requests_refused_total", reason="calls") >= refused_before + 1
+        assert metric(server, "embed_requests_refused_total", reason="calls") == refused_before + 1
         assert metric(server, "embed_requests_refused_total", reason="request_bytes") == 0
-        for stream in held:
-            stream.end()
+        held[0].end()
+        assert len(waiting.result(timeout=30).embeddings) == 1  # the freed place went to it
+        held[1].end()
         assert all(s.error is None and [a.id for a in s.answers] == ["last"] for s in held)
         answered = embed(stub, ["served again once the streams ended"])
         assert isinstance(answered, pb.EmbedResponse) and len(answered.embeddings) == 1
 
 
 def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProcess) -> None:
-    """Calls cancelled while their message arrives, while queued, or held open all end counted out:
-    afterwards exactly CALLS calls are served at once, as before."""
+    """Calls cancelled while their message arrives, while served, or while waiting for a place all
+    end counted out: afterwards exactly CALLS calls are served and WAITING wait, as before."""
 
     async def cancel_many() -> None:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.EmbeddingServiceStub(channel)
             large = pb.EmbedRequest(texts=["word " * 20_000] * 15)
             for delay in (0.0, 0.001, 0.005, 0.02, 0.1) * 8:
-                calls = [stub.Embed(large, timeout=30), stub.EmbedStream(timeout=30)]
+                calls = [
+                    stub.Embed(large, timeout=30),
+                    stub.EmbedStream(timeout=30),
+                    stub.Embed(large, timeout=30),
+                ]
                 await asyncio.sleep(delay)
                 for call in calls:
                     call.cancel()
@@ -126,11 +139,36 @@ def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProces
         deadline = time.monotonic() + 20
         while metric(server, "embed_requests_in_flight") > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-        held = hold_every_place(server, stub)  # both admitted: no place was kept by a cancelled call
+        held = hold_every_place(server, stub)  # both served: no place was kept by a cancelled call
+        waiting = stub.Embed.future(pb.EmbedRequest(texts=["waits"]), timeout=60)
+        time.sleep(1.0)
         refused = embed(stub, ["one more"])
         assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert not waiting.done()
         for stream in held:
             stream.end()
+        assert len(waiting.result(timeout=30).embeddings) == 1
+
+
+def test_places_go_in_turn_and_a_waiter_cancelled_as_it_is_handed_one_passes_it_on() -> None:
+    async def scenario() -> None:
+        places = Places(limit=1, waiting_limit=3)
+        await places.take()
+        first, second, third = (asyncio.ensure_future(places.take()) for _ in range(3))
+        await asyncio.sleep(0)
+        assert (places.taken, places.waiting, places.full()) == (1, 3, True)
+        places.give_back()  # handed to the first in turn...
+        first.cancel()  # ...which is cancelled before it runs: the place goes on to the second
+        await asyncio.gather(first, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert second.done() and not third.done()
+        third.cancel()  # cancelled while waiting: takes none
+        await asyncio.gather(third, return_exceptions=True)
+        assert (places.taken, places.waiting) == (1, 0)
+        places.give_back()
+        assert (places.taken, places.waiting) == (0, 0)
+
+    asyncio.run(scenario())
 
 
 def read_answer(sock: socket.socket) -> bytes:
