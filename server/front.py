@@ -272,8 +272,8 @@ async def drain(front: Front, reason: str = "the server is shutting down") -> No
 RECLAIM_EVERY_S = 0.1
 RECLAIM_AFTER_BYTES = 64 << 20
 # Seconds into a quiet spell (nothing received, nothing being answered): each of the first five. With
-# only 1 and 5, the front held 30-80 MB more through the 5 s after a flood (gRPC lets go of the
-# callers' buffers after the first), past the hostile test's 10% (a CI run).
+# only 1 and 5, the front held 30-80 MB more through the 5 s after a flood (freed after the first
+# trim, handed back only at the last), past the hostile test's 10% (a CI run).
 RECLAIM_QUIET_S = (1, 2, 3, 4, 5)
 
 
