@@ -66,9 +66,17 @@ rules:
 # The set-up and static checks run side by side (make -j): Prometheus's install (network) beside the
 # Python install, then the model build (two cores) beside lint and typecheck (one). One after the other
 # they cost CI about a minute and a half more. Each target's output comes out whole when it ends.
+# Then the tests, in two runs: most on TEST_WORKERS pytest-xdist workers (a whole file to a worker: a
+# file's servers are its own), then those marked `alone` (the reliability suite and the replica tests,
+# which measure memory, latency and fairness under load) one at a time with nothing beside them. The
+# second run goes on when the first fails, and `make test` fails if either did.
+TEST_WORKERS ?= 2
+PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target checks
-	EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra
+	$(PYTEST) -m 'not alone' -n $(TEST_WORKERS) --dist loadfile; first=$$?; \
+	$(PYTEST) -m alone; second=$$?; \
+	test $$first = 0 && test $$second = 0
 
 checks: $(STAMP) proto model lint typecheck rules
 
@@ -96,7 +104,7 @@ lock:
 
 # The long soak (10 minutes, 256 concurrent callers); `make test` runs the same test for 60 s.
 soak: $(STAMP) proto model
-	EMBED_SOAK_SECONDS=600 EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra tests/reliability/test_soak.py
+	EMBED_SOAK_SECONDS=600 $(PYTEST) tests/reliability/test_soak.py
 
 bench: bench-model bench-server bench-low-precision bench-front bench-batcher
 

@@ -129,22 +129,22 @@ def build(
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())
     report.raise_on_failure()
-    int8_report = build_int8(staging, tokenizer, data_dir) if int8 and data_dir is not None else None
+    int8_report = build_int8(staging, tokenizer, data_dir, report) if int8 and data_dir is not None else None
     figures = int8_report.to_dict() if int8_report else None
     fp16 = build_fp16(staging, tokenizer, data_dir)
     text = manifest(ckpt, staging, shared, report.to_dict(), figures, fp16).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
 
-def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path) -> ParityReport:
+def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path, fp32: ParityReport) -> ParityReport:
     """Per-token int8, smoothed with scales from STS-B train (never dev or test), behind its own gate."""
     pairs = read_sts(sts_path(data_dir, "train"))
     sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
     quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)
     share_tensor(staging / INT8_FILE)  # the same table: the same file
-    report = run_int8_gate(
-        cpu_session(staging / FP32_FILE), cpu_session(staging / INT8_FILE), tokenizer, data_dir
-    )
+    # Against the fp32 graph's vectors from its own gate (the same texts), not a second run of it.
+    want = fp32.vectors if fp32.vectors is not None else cpu_session(staging / FP32_FILE)
+    report = run_int8_gate(want, cpu_session(staging / INT8_FILE), tokenizer, data_dir)
     print(report.table())
     report.raise_on_failure()
     return report

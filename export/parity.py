@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import torch
 
 from minilm_embed.model.data import ScoredPair, read_sts, sts_path
 from minilm_embed.model.encoder import Encoder
@@ -83,6 +84,9 @@ class ParityReport:
     checks: list[Check]
     inputs: int
     thresholds: dict[str, float] = field(default_factory=lambda: dict(FP32_THRESHOLDS))
+    # The graph's vectors of parity_texts(), in that order: what a lower-precision gate compares with,
+    # so the fp32 graph is not run over them a second time. Not part of the report written out.
+    vectors: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def passed(self) -> bool:
@@ -131,6 +135,27 @@ def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH, output: str
         return np.asarray(session.run([output], {INPUT_IDS: ids, LENGTHS: lengths})[0])
 
     return lambda rows: batched(rows, run, batch)
+
+
+def onnx_outputs(
+    session: ort.InferenceSession, rows: list[list[int]], batch: int = BATCH
+) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings, pooled) of rows in length-sorted batches: both outputs of the graph from one run."""
+
+    def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        embeddings, pooled = session.run([EMBEDDINGS, POOLED], {INPUT_IDS: ids, LENGTHS: lengths})
+        return np.concatenate([np.asarray(embeddings), np.asarray(pooled)], axis=1)
+
+    both = length_sorted(lambda part: batched(part, run, batch))(rows)
+    width = both.shape[1] // 2
+    return both[:, :width], both[:, width:]
+
+
+def torch_outputs(encoder: Encoder, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings, pooled) from one pass of this PyTorch encoder: embed() is finish() of the pooled."""
+    pooled = length_sorted(torch_embedder(encoder, pooled=True))(rows)
+    with torch.no_grad():
+        return encoder.finish(torch.from_numpy(pooled)).numpy(), pooled
 
 
 def reference_embed(weights_dir: Path, texts: list[str], max_length: int) -> np.ndarray:
@@ -202,9 +227,9 @@ def run_parity(
     rows = tokenizer.encode(texts).ids
     edges = edge_rows(tokenizer, cls_id=rows[0][0], sep_id=rows[0][-1])
     all_rows = rows + edges
-    ours = length_sorted(torch_embedder(encoder))(all_rows)
+    ours, ours_pooled = torch_outputs(encoder, all_rows)
     onnx_embed = onnx_embedder(session)
-    exported = length_sorted(onnx_embed)(all_rows)
+    exported, pooled = onnx_outputs(session, all_rows)
     mixed_edges = onnx_embed([edges[0], edges[1]])  # 1 token and the maximum length in one batch
     checks = []
     if reference:
@@ -224,26 +249,20 @@ def run_parity(
     )
     checks.append(batch_invariance(onnx_embed, all_rows))
     checks.append(_spearman_check(texts, exported[: len(rows)], want, pairs))
-    checks += pooled_checks(session, all_rows, exported, length_sorted(torch_embedder(encoder, pooled=True)))
-    return ParityReport(checks, len(all_rows))
+    checks += pooled_checks(pooled, exported, ours_pooled)
+    return ParityReport(checks, len(all_rows), vectors=exported[: len(rows)])
 
 
 def pooled_checks(
-    session: ort.InferenceSession,
-    rows: list[list[int]],
-    embeddings: np.ndarray,
-    reference: Embedder | None,
-    prefix: str = "5 ",
+    pooled: np.ndarray, embeddings: np.ndarray, reference: np.ndarray | None, prefix: str = "5 "
 ) -> list[Check]:
     """The graph's other output, what `normalize=false` callers get: the pooled vectors, equal to the
-    reference's (where one is given), and `embeddings` their normalisation."""
-    pooled = length_sorted(onnx_embedder(session, output=POOLED))(rows)
+    reference's (where given, the same rows'), and `embeddings` their normalisation."""
     norms = np.linalg.norm(pooled.astype(np.float64), axis=1, keepdims=True)
     normalised = (pooled / norms).astype(np.float32)
     checks = [compare(f"{prefix}embeddings = normalised pooled", embeddings, normalised)]
     if reference is not None:
-        wanted = reference(rows)
-        checks.append(compare("6 pooled (onnx vs pytorch)", pooled, wanted, max_abs=POOLED_MAX_ABS_DIFF))
+        checks.append(compare("6 pooled (onnx vs pytorch)", pooled, reference, max_abs=POOLED_MAX_ABS_DIFF))
     return checks
 
 
@@ -260,9 +279,13 @@ def _spearman_check(
 
 
 def run_int8_gate(
-    fp32: ort.InferenceSession, int8: ort.InferenceSession, tokenizer: Tokenizer, data_dir: Path
+    fp32: ort.InferenceSession | np.ndarray,
+    int8: ort.InferenceSession,
+    tokenizer: Tokenizer,
+    data_dir: Path,
 ) -> ParityReport:
-    """The int8 graph against fp32: STS-B dev Spearman within 0.3, and batch invariance >= 0.9999."""
+    """The int8 graph against fp32 (the graph, or its vectors from run_parity's report): STS-B dev
+    Spearman within 0.3, and batch invariance >= 0.9999."""
     return run_low_precision_gate("int8", fp32, int8, tokenizer, data_dir, INT8_THRESHOLDS)
 
 
@@ -276,18 +299,21 @@ def run_fp16_gate(
 
 def run_low_precision_gate(
     precision: str,
-    fp32: ort.InferenceSession,
+    fp32: ort.InferenceSession | np.ndarray,
     low: ort.InferenceSession,
     tokenizer: Tokenizer,
     data_dir: Path | None,
     thresholds: dict[str, float],
 ) -> ParityReport:
-    """A lower-precision graph against fp32 on the same texts, under `thresholds`."""
+    """A lower-precision graph against fp32 (the graph, or its vectors of parity_texts(data_dir)) on
+    the same texts, under `thresholds`."""
     texts, pairs = parity_texts(data_dir)
     rows = tokenizer.encode(texts).ids
-    want = length_sorted(onnx_embedder(fp32))(rows)
+    want = fp32 if isinstance(fp32, np.ndarray) else length_sorted(onnx_embedder(fp32))(rows)
+    if want.shape[0] != len(rows):
+        raise ValueError(f"{want.shape[0]} fp32 vectors for {len(rows)} texts: not parity_texts' vectors")
     low_embed = onnx_embedder(low)
-    got = length_sorted(low_embed)(rows)
+    got, got_pooled = onnx_outputs(low, rows)
     agreement = compare(f"{precision} vs fp32", got, want, max_abs=None)
     checks = []
     if pairs:
@@ -308,6 +334,6 @@ def run_low_precision_gate(
             agreement.figures,
             agreement.note,  # a shape or non-finite refusal, which has no figures
         ),
-        *pooled_checks(low, rows, got, reference=None, prefix=f"{precision} "),
+        *pooled_checks(got_pooled, got, reference=None, prefix=f"{precision} "),
     ]
     return ParityReport(checks, len(rows), dict(thresholds))

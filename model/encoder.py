@@ -194,5 +194,8 @@ class Encoder(nn.Module):
 
     def embed(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
         """Pooled and, if the config says so, L2-normalised: what the service returns."""
-        pooled = self(input_ids, lengths)
+        return self.finish(self(input_ids, lengths))
+
+    def finish(self, pooled: Tensor) -> Tensor:
+        """The pooled vectors as the service returns them: L2-normalised if the config says so."""
         return F.normalize(pooled, p=2.0, dim=-1) if self.config.normalize else pooled

@@ -38,6 +38,7 @@ from minilm_embed.export.parity import (
     batch_invariance,
     compare,
     onnx_embedder,
+    onnx_outputs,
     pooled_checks,
     run_int8_gate,
     run_parity,
@@ -287,9 +288,12 @@ def test_parity_gate_checks_the_pooled_output_that_normalize_false_returns(
     rows = tokenizer.encode(SENTENCES).ids
     session = cpu_session(out / "model.onnx")
     embeddings = length_sorted(onnx_embedder(session))(rows)
-    reference = length_sorted(torch_embedder(encoder, pooled=True))
-    assert all(c.passed for c in pooled_checks(session, rows, embeddings, reference))
-    wrong = pooled_checks(NegatedPooled(session), rows, embeddings, reference)  # type: ignore[arg-type]
+    reference = length_sorted(torch_embedder(encoder, pooled=True))(rows)
+    _, pooled = onnx_outputs(session, rows)
+    assert all(c.passed for c in pooled_checks(pooled, embeddings, reference))
+    _, negated = onnx_outputs(NegatedPooled(session), rows)  # type: ignore[arg-type]
+    assert np.array_equal(negated, -pooled)
+    wrong = pooled_checks(negated, embeddings, reference)
     assert [c.passed for c in wrong] == [False, False]  # the embeddings alone passed the gate before
 
 
@@ -306,7 +310,7 @@ class FakeGraph:
         if self.non_finite:
             pooled[0, 0] = np.nan
         normalised = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
-        return [normalised if outputs[0] == "embeddings" else pooled]
+        return [normalised if name == "embeddings" else pooled for name in outputs]
 
 
 def test_the_int8_gate_refuses_non_finite_vectors_with_its_message_not_a_traceback(tokenizer, monkeypatch):
@@ -316,6 +320,22 @@ def test_the_int8_gate_refuses_non_finite_vectors_with_its_message_not_a_traceba
     report = run_int8_gate(FakeGraph(), FakeGraph(non_finite=True), tokenizer, Path("."))  # KeyError before
     failed = {c.name: c.note for c in report.checks if not c.passed}
     assert failed["int8 vs fp32"] == "non-finite values"
+
+
+def test_the_int8_gate_given_fp32_vectors_judges_as_given_the_fp32_graph(tokenizer, monkeypatch):
+    """The export hands the int8 gate the fp32 gate's vectors rather than running fp32 again."""
+    texts = ["a b", "c d e", "f"]
+    monkeypatch.setattr(parity, "parity_texts", lambda data_dir: (texts, []))
+    rows = tokenizer.encode(texts).ids
+    vectors, _ = onnx_outputs(FakeGraph(), rows)
+    for low in (FakeGraph(), FakeGraph(non_finite=True)):
+        by_graph = run_int8_gate(FakeGraph(), low, tokenizer, Path("."))
+        by_vectors = run_int8_gate(vectors, low, tokenizer, Path("."))
+        assert by_vectors.to_dict() == by_graph.to_dict()
+    other = run_int8_gate(-vectors, FakeGraph(), tokenizer, Path("."))
+    assert not {c.name: c.passed for c in other.checks}["int8 vs fp32"]
+    with pytest.raises(ValueError, match="2 fp32 vectors for 3 texts"):
+        run_int8_gate(vectors[:2], FakeGraph(), tokenizer, Path("."))
 
 
 def test_out_that_is_not_a_model_repository_is_refused_and_kept(tmp_path):

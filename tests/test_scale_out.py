@@ -22,6 +22,8 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import scrape
 from tests.server_process import ServerProcess, start_server, wait_for
 
+pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
+
 REPLICAS = 3
 # Two cores shared by three servers: one ONNX Runtime thread each. The drain timeout leaves room for
 # the accepted calls below on a busy machine: on a 2-vCPU Zen 3, under the load of the other two

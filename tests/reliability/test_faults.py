@@ -29,6 +29,8 @@ from tests.reliability.probes import Scrape, metrics_text, parse, scrape, wait_i
 from tests.reliability.workload import MIN_COSINE, Load, References, Tally, channels
 from tests.server_process import ServerProcess, fault_entry, one_instance_held, serving, wait_for
 
+pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
+
 FAULT = "this exact text makes its batch fail in the backend"
 QUEUE_LIMIT = 64
 QUEUE_DELAY_S = 3.0

@@ -32,6 +32,8 @@ from tests.reliability.contract import Contract, Expect, Limits
 from tests.reliability.probes import RssSampler, rss_bytes, wait_idle
 from tests.reliability.workload import MAX_TOKENS, channels
 
+pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
+
 EXAMPLES = 10_000
 CONCURRENCY = 32
 SERVICE = f"/{SERVICE_NAME}/"

@@ -17,6 +17,8 @@ import pytest
 from tests.reliability.hostile import FLAGS, KINDS, embed_texts, one_flood
 from tests.server_process import ServerProcess, serving
 
+pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
+
 SETTLE_S = 5.0
 ANSWERS = {"OK", "RESOURCE_EXHAUSTED", "probe OK"}
 

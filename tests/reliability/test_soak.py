@@ -31,6 +31,8 @@ from tests.reliability.probes import RssSampler, Scrape, gauges, scrape, wait_id
 from tests.reliability.workload import Load, Tally
 from tests.server_process import ServerProcess, serving
 
+pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
+
 CALLERS = 256
 CHANNELS = 8
 QUEUE_LIMIT = 128
