@@ -183,10 +183,14 @@ def test_models_lists_the_served_model(server):
     assert openai_client(server).models.retrieve("all-MiniLM-L6-v2") == models[0]
 
 
+# mtime 0: the same bytes, so the same test id, in every pytest-xdist worker.
+GZIPPED = gzip.compress(b'{"input": "hello"}', mtime=0)
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "named"),
     [
-        (gzip.compress(b'{"input": "hello"}', mtime=0), {"Content-Encoding": "gzip"}, "Content-Encoding: gzip"),
+        (GZIPPED, {"Content-Encoding": "gzip"}, "Content-Encoding: gzip"),
         (b'{"input": "caf\xe9"}', {}, "not UTF-8 (byte 0xe9 at offset 14)"),
     ],
 )
