@@ -113,7 +113,12 @@ class ServerProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout: float = 60.0) -> int:
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            tail = "".join(self.lines[-40:])
+            message = f"the server had not exited after {timeout:g} s; its log ends:\n{tail}"
+            raise AssertionError(message) from None
 
     def stop(self) -> None:
         self.terminate()
