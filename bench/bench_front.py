@@ -53,6 +53,7 @@ from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.server import protocol
 from minilm_embed.server.batcher import Rows
 from minilm_embed.server.config import ServerConfig
+from tests.proc_tree import descendants
 from tests.server_process import start_server
 
 STAND_IN = ("tests.stand_in_server", "instant")
@@ -74,16 +75,13 @@ class Capacity:
 def tree_cpu_seconds(pid: int) -> float:
     """utime + stime of `pid` and every descendant, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
+    total = 0.0
+    for p in descendants(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
+        except OSError:
+            continue  # it ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 

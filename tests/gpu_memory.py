@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
+
+from tests.proc_tree import descendants
 
 
 def gpu_memory_mib(pid: int | None = None) -> float:
     """GPU memory used by `pid` and its children (nvidia-smi's per-process figure); where nvidia-smi
     lists no process (a container's PID namespace hides them), the whole GPU's used memory."""
     apps = _smi("--query-compute-apps=pid,used_memory")
-    pids = None if pid is None else _tree(pid)
+    pids = None if pid is None else set(descendants(pid))
     listed = [(int(p), float(m)) for p, _, m in (line.partition(",") for line in apps) if p.strip().isdigit()]
     if not listed:
         return sum(float(line) for line in _smi("--query-gpu=memory.used") if line.strip())
@@ -22,16 +23,3 @@ def _smi(query: str) -> list[str]:
         ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False
     )
     return out.stdout.splitlines()
-
-
-def _tree(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        found.add(p)
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found

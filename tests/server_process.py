@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.health import SERVICE_NAME
+from tests.proc_tree import children
 from tests.stand_in_server import HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,11 +95,8 @@ class ServerProcess:
     def front_pids(self) -> list[int]:
         """The front processes now: the supervisor's children other than the engine (and
         multiprocessing's resource tracker)."""
-        children = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            children += [int(pid) for pid in (task / "children").read_text().split()]
         fronts = []
-        for pid in children:
+        for pid in children(self.proc.pid):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.proc_tree import children
 from tests.server_process import ServerProcess, wait_for
 
 
@@ -82,12 +83,11 @@ def rss_by_process(pid: int) -> dict[str, int]:
     )
     assert "VmRSS" in status, f"no VmRSS for process {pid}"
     found = {f"{status['Name'].strip()}:{pid}": int(status["VmRSS"].split()[0]) * 1024}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                found.update(rss_by_process(int(child)))
-            except (FileNotFoundError, AssertionError):
-                continue  # it ended meanwhile
+    for child in children(pid):
+        try:
+            found.update(rss_by_process(child))
+        except (FileNotFoundError, AssertionError):
+            continue  # it ended meanwhile
     return found
 
 
