@@ -143,8 +143,9 @@ def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path, fp32: Parity
     quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)
     share_tensor(staging / INT8_FILE)  # the same table: the same file
     # Against the fp32 graph's vectors from its own gate (the same texts), not a second run of it.
-    want = fp32.vectors if fp32.vectors is not None else cpu_session(staging / FP32_FILE)
-    report = run_int8_gate(want, cpu_session(staging / INT8_FILE), tokenizer, data_dir)
+    if fp32.vectors is None:
+        raise ValueError("the fp32 gate's report carries no vectors: run_parity's report is needed")
+    report = run_int8_gate(fp32.vectors, cpu_session(staging / INT8_FILE), tokenizer, data_dir)
     print(report.table())
     report.raise_on_failure()
     return report

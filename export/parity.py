@@ -130,9 +130,11 @@ def compare(name: str, got: np.ndarray, want: np.ndarray, max_abs: float | None 
     return Check(name, passed, figures)
 
 
-def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH, output: str = EMBEDDINGS) -> Embedder:
+def onnx_embedder(session: ort.InferenceSession, batch: int = BATCH) -> Embedder:
+    """The graph's normalised vectors of rows, in batches of `batch` in the order given."""
+
     def run(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        return np.asarray(session.run([output], {INPUT_IDS: ids, LENGTHS: lengths})[0])
+        return np.asarray(session.run([EMBEDDINGS], {INPUT_IDS: ids, LENGTHS: lengths})[0])
 
     return lambda rows: batched(rows, run, batch)
 
