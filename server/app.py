@@ -259,13 +259,16 @@ class Supervisor:
 
     def stop(self) -> int:
         """Drain every front, then stop the engine; the exit status for the server."""
-        deadline = time.monotonic() + self.config.drain_timeout_s + STOP_MARGIN_S
+        started = time.monotonic()
+        deadline = started + self.config.drain_timeout_s + STOP_MARGIN_S
         for front in self.fronts.values():
             _signal(front, signal.SIGTERM)
         # A front still starting up (importing, before run_front's first line) dies of the SIGTERM
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
+        if codes:
+            log.info("fronts stopped after %.1fs, exit codes %s", time.monotonic() - started, codes)
         if self.engine is not None and self.facts is None and not self.start_error and self.engine.is_alive():
             # Still loading or warming up (a rollout's SIGTERM during a slow start): no front is left
             # that could use it and it holds nothing to finish, so it is not waited for.

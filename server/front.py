@@ -22,6 +22,8 @@ import platform
 import signal
 import socket
 import threading
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -255,16 +257,38 @@ async def start(front: Front) -> protocol.EngineFacts:
     return facts
 
 
-async def drain(front: Front, reason: str = "the server is shutting down") -> None:
-    """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls."""
+async def drain(front: Front, index: int, reason: str = "the server is shutting down") -> None:
+    """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls.
+
+    Logs what it waits for and how long each API took, and says when the drain timeout cut calls off
+    (gRPC then cancels them; uvicorn cancels its requests)."""
     await front.readiness.not_serving(reason)
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first.
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
-    stopping = [front.server.stop(front.config.drain_timeout_s)]
+    places = front.service.places
+    log.info("front %d: draining: %d calls being served, %d waiting", index, places.taken, places.waiting)
+    front.readiness.health.end_watches()  # an open Watch would hold the drain to its timeout
+    timeout = front.config.drain_timeout_s
+    stopping = [_timed(index, "gRPC", front.server.stop(timeout), timeout)]
     if front.http is not None:
-        stopping.append(front.http.stop())
+        stopping.append(_timed(index, "HTTP", front.http.stop(), timeout))
     await asyncio.gather(*stopping)
+
+
+async def _timed(index: int, api: str, stopping: Awaitable[None], timeout: float) -> None:
+    started = time.monotonic()
+    await stopping
+    took = time.monotonic() - started
+    if took >= timeout:
+        log.warning(
+            "front %d: %s: calls still open after the drain timeout (%.0fs) were cancelled",
+            index,
+            api,
+            timeout,
+        )
+    else:
+        log.info("front %d: %s drained in %.2fs", index, api, took)
 
 
 # Checked ten times a second: at 1 s, a flood of 1,200 callers' 2 MiB requests (most refused after
@@ -393,7 +417,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     starting.cancel()
     reclaiming.cancel()
     try:
-        await drain(front, ENGINE_GONE if outcome["code"] else "the server is shutting down")
+        await drain(front, index, ENGINE_GONE if outcome["code"] else "the server is shutting down")
         if tracer is not None:
             await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
     except Exception:  # logged here, not sent as a start-up failure: that would end the whole server

@@ -7,15 +7,13 @@ embedding calls get UNAVAILABLE naming the reason, which the client library retr
 
 from __future__ import annotations
 
-from grpc_health.v1 import health
-
 from minilm_embed.server.errors import NotReady
-from minilm_embed.server.health import set_serving
+from minilm_embed.server.health import HealthServicer, set_serving
 from minilm_embed.server.metrics import Metrics
 
 
 class Readiness:
-    def __init__(self, health_servicer: health.aio.HealthServicer, metrics: Metrics) -> None:
+    def __init__(self, health_servicer: HealthServicer, metrics: Metrics) -> None:
         self.health = health_servicer
         self.metrics = metrics
         self.ready = False

@@ -663,8 +663,31 @@ def _watch_until_not_serving(address: str, seen: list[int], watching: threading.
             seen.append(answer.status)
             watching.set()
             if answer.status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                call.cancel()  # an open Watch would hold the drain until its timeout
+                call.cancel()  # seen what it waited for
                 return
+
+
+def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it():
+    """gRPC's graceful stop waits for every open call: a Watch left open (a load balancer's, a
+    monitor's) held each drain until its timeout. It sees NOT_SERVING, then ends; the drain goes on."""
+    seen: list[object] = []
+    with serving("--drain-timeout-s", "60") as server, grpc.insecure_channel(server.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=120
+        )
+        seen.append(next(watch).status)
+        server.terminate()
+        with pytest.raises(grpc.RpcError) as ended:
+            seen.extend(answer.status for answer in watch)
+        code = server.wait(30)  # half the drain timeout: a held drain would take all 60 s
+    assert seen == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert (ended.value.code(), ended.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is shutting down",
+    )
+    assert code == 0
+    drained = [line for line in server.lines if "gRPC drained in" in line or "were cancelled" in line]
+    assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
 
 def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycle, reference):
