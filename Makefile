@@ -69,9 +69,10 @@ rules:
 # Then the tests, in two runs: most on TEST_WORKERS pytest-xdist workers (a whole file to a worker: a
 # file's servers are its own), then those marked `alone` (the reliability suite and the replica tests,
 # which measure memory, latency and fairness under load) one at a time with nothing beside them. The
-# second run goes on when the first fails, and `make test` fails if either did.
+# second run goes on when the first fails, and `make test` fails if either did. Each run lists its 12
+# slowest tests (set-up, call and tear-down apart), where CI time goes.
 TEST_WORKERS ?= 2
-PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra
+PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra --durations=12
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target checks
 	$(PYTEST) -m 'not alone' -n $(TEST_WORKERS) --dist loadfile; first=$$?; \

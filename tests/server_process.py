@@ -110,12 +110,20 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
-    def wait(self, timeout: float = 60.0) -> int:
+    def wait(self, timeout: float = 60.0, then: float = 30.0) -> int:
+        """Its exit code, once it exits within `timeout`; else an AssertionError with its log's end,
+        read once it has exited after all (or `then` seconds more): what it did last, not only
+        what it had done when the wait ran out (the supervisor logs a child it has to kill)."""
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            try:
+                late = f"it exited {self.proc.wait(then)} within {then:g} s more"
+            except subprocess.TimeoutExpired:
+                late = f"it was still running {then:g} s later"
+            time.sleep(0.5)  # the reader thread takes the last lines
             tail = "".join(self.lines[-40:])
-            message = f"the server had not exited after {timeout:g} s; its log ends:\n{tail}"
+            message = f"the server had not exited after {timeout:g} s ({late}); its log ends:\n{tail}"
             raise AssertionError(message) from None
 
     def stop(self) -> None:

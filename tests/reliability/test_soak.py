@@ -148,6 +148,7 @@ def test_sigterm_in_the_middle_of_the_soak_load_answers_every_accepted_call_and_
 
     tally, before, drained, signalled = asyncio.run(scenario())
     exit_code = server.wait(60)
+    exited_s = time.monotonic() - signalled
     delta = drained - before
     seen, before_signal = tally.codes(), tally.codes(until=signalled - 2.0)
     server_codes = {c.name: delta.requests(c.name) for c in grpc.StatusCode if delta.requests(c.name)}
@@ -158,6 +159,7 @@ def test_sigterm_in_the_middle_of_the_soak_load_answers_every_accepted_call_and_
         gauges_while_draining=gauges(drained),
         slowest_s=round(tally.slowest, 2),
         exit_code=exit_code,
+        exited_s_after_sigterm=round(exited_s, 1),
     )
     assert exit_code == 0
     allowed = ("OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
