@@ -267,7 +267,9 @@ class Supervisor:
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
-        if codes:
+        # Stopped before it ever served: no call was accepted, so none was lost.
+        served = self.announced or self.serving
+        if codes and served:  # a server that never served stops with its one line of why
             log.info("fronts stopped after %.1fs, exit codes %s", time.monotonic() - started, codes)
         if self.engine is not None and self.facts is None and not self.start_error and self.engine.is_alive():
             # Still loading or warming up (a rollout's SIGTERM during a slow start): no front is left
@@ -278,8 +280,6 @@ class Supervisor:
         elif self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
-        # Stopped before it ever served: no call was accepted, so none was lost.
-        served = self.announced or self.serving
         return 0 if all(code == 0 for code in codes) or not served else 1
 
 

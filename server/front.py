@@ -261,34 +261,35 @@ async def drain(front: Front, index: int, reason: str = "the server is shutting 
     """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls.
 
     Logs what it waits for and how long each API took, and says when the drain timeout cut calls off
-    (gRPC then cancels them; uvicorn cancels its requests)."""
+    (gRPC then cancels them; uvicorn cancels its requests): a front that never served says nothing,
+    so a server that cannot start stops with its one line of why."""
+    served = front.readiness.ready
     await front.readiness.not_serving(reason)
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first.
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
     places = front.service.places
-    log.info("front %d: draining: %d calls being served, %d waiting", index, places.taken, places.waiting)
+    if served:
+        log.info("front %d: draining: %d calls being served, %d waiting", index, places.taken, places.waiting)
     front.readiness.health.end_watches()  # an open Watch would hold the drain to its timeout
     timeout = front.config.drain_timeout_s
-    stopping = [_timed(index, "gRPC", front.server.stop(timeout), timeout)]
+    stopping = {"gRPC": _seconds(front.server.stop(timeout))}
     if front.http is not None:
-        stopping.append(_timed(index, "HTTP", front.http.stop(), timeout))
-    await asyncio.gather(*stopping)
+        stopping["HTTP"] = _seconds(front.http.stop())
+    took = dict(zip(stopping, await asyncio.gather(*stopping.values()), strict=True))
+    for api, seconds in took.items() if served else ():
+        if seconds >= timeout:
+            log.warning(
+                "front %d: %s: calls open past the drain timeout (%.0fs) were cancelled", index, api, timeout
+            )
+        else:
+            log.info("front %d: %s drained in %.2fs", index, api, seconds)
 
 
-async def _timed(index: int, api: str, stopping: Awaitable[None], timeout: float) -> None:
+async def _seconds(awaitable: Awaitable[None]) -> float:
     started = time.monotonic()
-    await stopping
-    took = time.monotonic() - started
-    if took >= timeout:
-        log.warning(
-            "front %d: %s: calls still open after the drain timeout (%.0fs) were cancelled",
-            index,
-            api,
-            timeout,
-        )
-    else:
-        log.info("front %d: %s drained in %.2fs", index, api, took)
+    await awaitable
+    return time.monotonic() - started
 
 
 # Checked ten times a second: at 1 s, a flood of 1,200 callers' 2 MiB requests (most refused after

@@ -43,6 +43,7 @@ from tests.server_process import (
     start_server,
     wait_for,
 )
+from tests.stand_in_server import HOLD_TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_COSINE = 0.99999
@@ -688,6 +689,24 @@ def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it
     assert code == 0
     drained = [line for line in server.lines if "gRPC drained in" in line or "were cancelled" in line]
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
+
+
+def test_a_call_outlasting_the_drain_timeout_is_cancelled_and_the_log_says_so():
+    """HOLD_TEXT holds its batch for HOLD_S (4 s) on the fault server, past a 1 s drain."""
+    with serving("--drain-timeout-s", "1", entry=fault_entry("__fault__")) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            held = pb_grpc.EmbeddingServiceStub(channel).Embed.future(embed_request([HOLD_TEXT]), timeout=30)
+            time.sleep(0.5)  # taken into a batch
+            server.terminate()
+            ended = held.exception(30)
+        assert server.wait(30) == 0
+    assert isinstance(ended, grpc.RpcError) and ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    said = [line for line in server.lines if "drain" in line]
+    assert any("front 0: draining: 1 calls being served, 0 waiting" in line for line in said), said
+    assert any(
+        "WARNING" in line and "front 0: gRPC: calls open past the drain timeout (1s) were cancelled" in line
+        for line in said
+    ), said
 
 
 def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycle, reference):
