@@ -267,7 +267,6 @@ class Supervisor:
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
-        # Stopped before it ever served: no call was accepted, so none was lost.
         served = self.announced or self.serving
         if codes and served:  # a server that never served stops with its one line of why
             log.info("fronts stopped after %.1fs, exit codes %s", time.monotonic() - started, codes)
@@ -280,6 +279,7 @@ class Supervisor:
         elif self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
+        # Stopped before it ever served: no call was accepted, so none was lost.
         return 0 if all(code == 0 for code in codes) or not served else 1
 
 

@@ -277,7 +277,9 @@ async def drain(front: Front, index: int, reason: str = "the server is shutting 
     if front.http is not None:
         stopping["HTTP"] = _seconds(front.http.stop())
     took = dict(zip(stopping, await asyncio.gather(*stopping.values()), strict=True))
-    for api, seconds in took.items() if served else ():
+    if not served:
+        return
+    for api, seconds in took.items():
         if seconds >= timeout:
             log.warning(
                 "front %d: %s: calls open past the drain timeout (%.0fs) were cancelled", index, api, timeout
