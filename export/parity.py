@@ -40,6 +40,10 @@ FP16_MAX_SPEARMAN_GAP = 0.1
 FP16_MIN_BATCH_COSINE = 0.9999
 FP16_MIN_COSINE_VS_FP32 = 0.999
 CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
+# Rows the batch-invariance checks run alone and in shuffled batches: a seeded sample of STS-B dev's
+# 2,916, with the shortest and longest. Its failures (a padding leak, scales shared across a batch)
+# move every row of a padded batch; running all the rows alone was 40% of an export's time.
+INVARIANCE_ROWS = 512
 # The pooled vectors are not normalised (norms ~5-8 for this model): the same relative error as
 # MAX_ABS_DIFF allows on unit vectors.
 POOLED_MAX_ABS_DIFF = 1e-4
@@ -202,18 +206,27 @@ def batch_invariance(
     seed: int = 0,
     min_cosine: float = MIN_COSINE,
     name: str = "3 batch invariance (onnx)",
+    sample: int = INVARIANCE_ROWS,
 ) -> Check:
-    """Each row alone vs inside shuffled (so mixed-length, padded) batches."""
+    """Each row alone vs inside shuffled (so mixed-length, padded) batches: all rows, or a seeded
+    sample of `sample` that always holds the shortest and the longest."""
+    rng = random.Random(seed)
+    if len(rows) > sample:
+        by_length = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        ends = {by_length[0], by_length[-1]}
+        rest = rng.sample([i for i in range(len(rows)) if i not in ends], sample - len(ends))
+        rows = [rows[i] for i in sorted(ends.union(rest))]
     order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
+    rng.shuffle(order)
     mixed = embed([rows[i] for i in order])
     in_batch = np.empty_like(mixed)
     in_batch[order] = mixed
     alone = np.concatenate([embed([row]) for row in rows])
     check = compare(name, alone, in_batch, max_abs=None)
-    if check.note or min_cosine == MIN_COSINE:
+    if check.note:
         return check
-    return Check(check.name, check.figures["min_cosine"] >= min_cosine, check.figures)
+    figures = {**check.figures, "rows": float(len(rows))}
+    return Check(check.name, check.figures["min_cosine"] >= min_cosine, figures)
 
 
 def run_parity(

@@ -43,7 +43,7 @@ from minilm_embed.export.parity import (
     run_int8_gate,
     run_parity,
 )
-from minilm_embed.model.evaluate import length_sorted, torch_embedder
+from minilm_embed.model.evaluate import Embedder, length_sorted, torch_embedder
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
@@ -267,6 +267,25 @@ def test_batch_invariance_fails_rows_that_depend_on_their_batch():
     rows = [[1] * n for n in (2, 5, 9, 3)]
     assert batch_invariance(fair, rows).passed
     assert not batch_invariance(leaky, rows).passed
+
+
+def test_batch_invariance_over_a_sample_still_runs_the_shortest_and_longest_rows_alone():
+    """More rows than the sample: a graph that errs only on the longest row, or only on a 1-token
+    row, is caught; the check says how many rows it ran."""
+    rows = [[1] * (3 + i % 40) for i in range(3000)] + [[1] * 256, [1]]
+
+    def wrong_on(length: int) -> Embedder:
+        def embed(batch: list[list[int]]) -> np.ndarray:
+            out = np.array([[1.0, 0.0] for _ in batch])
+            out[:, 1] = [float(len(r) == length and len(batch) > 1) for r in batch]  # only when batched
+            return out
+
+        return embed
+
+    fair = batch_invariance(wrong_on(-1), rows, sample=64)
+    assert fair.passed and fair.figures["rows"] == 64
+    assert not batch_invariance(wrong_on(256), rows, sample=64).passed
+    assert not batch_invariance(wrong_on(1), rows, sample=64).passed
 
 
 class NegatedPooled:
