@@ -40,9 +40,10 @@ FP16_MAX_SPEARMAN_GAP = 0.1
 FP16_MIN_BATCH_COSINE = 0.9999
 FP16_MIN_COSINE_VS_FP32 = 0.999
 CARRIED_SENTENCES = Path(__file__).with_name("parity_sentences.txt")
-# Rows the batch-invariance checks run alone and in shuffled batches: a seeded sample of STS-B dev's
-# 2,916, with the shortest and longest. Its failures (a padding leak, scales shared across a batch)
-# move every row of a padded batch; running all the rows alone was 40% of an export's time.
+# Rows the batch-invariance checks run alone and in shuffled batches: with STS-B, a seeded sample of
+# the gate's ~2,900 that holds the shortest and the longest (the carried sentences are fewer: all run).
+# What breaks invariance (a padding leak, scales shared across a batch) moves every row of a padded
+# batch; running every row alone was 40% of an export's time.
 INVARIANCE_ROWS = 512
 # The pooled vectors are not normalised (norms ~5-8 for this model): the same relative error as
 # MAX_ABS_DIFF allows on unit vectors.
