@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,3 +194,11 @@ def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.1) ->
             return True
         time.sleep(interval)
     return False
+
+
+async def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> None:
+    """wait_for in an event loop that must go on running meanwhile (a server in the same loop)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)

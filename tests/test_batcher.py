@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch
 from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
+from tests.server_process import wait_until
 
 
 async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None = None) -> Done:
@@ -74,13 +75,6 @@ def run(scenario: Callable[[], Awaitable[T]]) -> T:
         return await asyncio.wait_for(scenario(), 20)
 
     return asyncio.run(bounded())
-
-
-async def wait_until(condition: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 def sample(batcher: Batcher, name: str, **labels: str) -> float:

@@ -29,7 +29,7 @@ from minilm_embed.server.engine import create_engine, onnx_backend
 from minilm_embed.server.front import Front, create_front, start, start_tracing
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.tracing import RequestTracer
-from tests.server_process import model_dir, serving
+from tests.server_process import model_dir, serving, wait_until
 
 Scenario = Callable[[Front, InMemorySpanExporter], Awaitable[None]]
 
@@ -72,17 +72,6 @@ async def embed(
         return await call.code()
 
 
-async def finished_spans(exporter: InMemorySpanExporter, count: int) -> tuple[ReadableSpan, ...]:
-    """The exporter's spans once `count` have ended (5 s at most). A refusal's span ends after its
-    status is on the wire: grpc's abort sends the status, then raises out through the interceptor,
-    and the caller, in this same event loop, may be resumed first."""
-    for _ in range(500):
-        if len(spans := exporter.get_finished_spans()) >= count:
-            return spans
-        await asyncio.sleep(0.01)
-    return exporter.get_finished_spans()
-
-
 def by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
     return {span.name: span for span in spans}
 
@@ -121,7 +110,10 @@ def test_a_refused_call_has_its_server_span_with_the_error_and_no_children(tmp_p
 async def a_refused_call(front: Front, exporter: InMemorySpanExporter) -> None:
     caller = ("traceparent", f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01")
     assert await embed(front, [], "refused-1", caller) == grpc.StatusCode.INVALID_ARGUMENT
-    (server,) = await finished_spans(exporter, 1)
+    # Its span ends after the status is on the wire: grpc's abort sends it, then raises out through
+    # the interceptor, and this caller, in the same event loop, may be resumed first.
+    await wait_until(exporter.get_finished_spans)
+    (server,) = exporter.get_finished_spans()
     assert server.context.trace_id == TRACE_ID and server.parent is not None
     assert server.parent.span_id == PARENT_ID  # the caller's trace goes on
     assert server.attributes["request.id"] == "refused-1"
