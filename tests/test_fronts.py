@@ -36,6 +36,7 @@ from tests.server_process import (
     serving,
     start_server,
     wait_for,
+    wait_until,
 )
 from tests.stand_in_server import HOLD_S, HOLD_TEXT
 
@@ -263,12 +264,14 @@ def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_w
     big = [" ".join(words)[:100_000]] * 12  # 1.2 MB on the wire, ~0.5 s to tokenize whole
     flags = ("--max-message-bytes", str(budget), "--max-request-bytes-in-flight", str(budget))
 
-    async def scenario(address: str) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+    async def scenario(process: ServerProcess) -> None:
+        async with grpc.aio.insecure_channel(process.address) as channel:
             stub = pb_grpc.EmbeddingServiceStub(channel)
             whole = pb.TokenizeRequest(texts=big, truncate=False)
             first = asyncio.ensure_future(stub.Tokenize(whole, timeout=60))
-            await asyncio.sleep(0.1)  # received, being tokenized whole
+            # Received (its bytes held) and being tokenized whole: not a fixed sleep, which a busy
+            # machine outran before the first request had even arrived.
+            await wait_until(lambda: counter(process, "embed_requests_in_flight") >= 1, timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Embed(embed_request(big), timeout=60)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -282,4 +285,4 @@ def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_w
             assert all(a.WhichOneof("result") == "response" for a in answers)
 
     with serving(*flags) as process:
-        asyncio.run(scenario(process.address))
+        asyncio.run(scenario(process))
