@@ -75,7 +75,7 @@ TEST_WORKERS ?= 2
 PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra --durations=12
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=target checks
-	$(PYTEST) -m 'not alone' -n $(TEST_WORKERS) --dist loadfile; first=$$?; \
+	$(PYTEST) -m 'not alone' -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; first=$$?; \
 	$(PYTEST) -m alone; second=$$?; \
 	test $$first = 0 && test $$second = 0
 
