@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,13 +36,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minilm_embed.export.optimize import CPU_DISABLED_OPTIMIZERS, WEIGHT_MAX, cpu_session, int8_matmul_model
+from minilm_embed.export.optimize import (
+    CPU_DISABLED_OPTIMIZERS,
+    WEIGHT_MAX,
+    cpu_session,
+    int8_matmul_model,
+    runtime_op_types,
+)
 from minilm_embed.export.parity import CARRIED_SENTENCES, onnx_embedder
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import read_sts, sts_path
@@ -112,14 +116,7 @@ def sentences(data_dir: Path | None, n: int) -> tuple[list[str], str]:
 def skip_layer_norm_nodes(path: Path, disabled: list[str]) -> int:
     """SkipLayerNormalization nodes in the graph ORT actually runs, with these optimizers disabled:
     shows whether the fusion the server switches off fires on this model at all."""
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-        options.log_severity_level = 3
-        ort.InferenceSession(str(path), options, providers=[CPU_PROVIDER], disabled_optimizers=disabled)
-        # Node types only: the shared table stays where the graph points, beside the original.
-        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
-    return sum(node.op_type == "SkipLayerNormalization" for node in graph.node)
+    return runtime_op_types(path, disabled).count("SkipLayerNormalization")
 
 
 def onnx_texts(session: ort.InferenceSession, tokenizer: Tokenizer, batch: int, sort: bool) -> EmbedTexts:

@@ -18,6 +18,8 @@ has no such pattern and does not change.
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +238,22 @@ def int8_matmul_model(w_int8: np.ndarray, w_scale: np.ndarray) -> onnx.ModelProt
     graph = helper.make_graph([node], "int8_matmul", inputs, [output], weights)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
+
+
+def runtime_op_types(path: Path, disabled_optimizers: Sequence[str]) -> list[str]:
+    """The node types of the graph ORT actually runs on the CPU provider, after its runtime
+    optimisations with `disabled_optimizers` switched off: whether a fusion fires, or is really off
+    (ORT ignores an optimizer name it does not know)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(
+            str(path), options, providers=[CPU_PROVIDER], disabled_optimizers=list(disabled_optimizers)
+        )
+        # Node types only: the shared table stays where the graph points, beside the original.
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    return [node.op_type for node in graph.node]
 
 
 def cpu_session(
