@@ -129,18 +129,24 @@ def build(
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())
     report.raise_on_failure()
-    int8_report = build_int8(staging, tokenizer, data_dir, report) if int8 and data_dir is not None else None
+    int8_report = (
+        build_int8(staging, tokenizer, data_dir, report, ckpt.config.num_heads)
+        if int8 and data_dir is not None
+        else None
+    )
     figures = int8_report.to_dict() if int8_report else None
     fp16 = build_fp16(staging, tokenizer, data_dir)
     text = manifest(ckpt, staging, shared, report.to_dict(), figures, fp16).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
 
-def build_int8(staging: Path, tokenizer: Tokenizer, data_dir: Path, fp32: ParityReport) -> ParityReport:
+def build_int8(
+    staging: Path, tokenizer: Tokenizer, data_dir: Path, fp32: ParityReport, num_heads: int
+) -> ParityReport:
     """Per-token int8, smoothed with scales from STS-B train (never dev or test), behind its own gate."""
     pairs = read_sts(sts_path(data_dir, "train"))
     sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
-    quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids)
+    quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids, num_heads)
     share_tensor(staging / INT8_FILE)  # the same table: the same file
     # Against the fp32 graph's vectors from its own gate (the same texts), not a second run of it.
     if fp32.vectors is None:

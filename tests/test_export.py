@@ -24,6 +24,7 @@ from minilm_embed.export.optimize import (
     CPU_DISABLED_OPTIMIZERS,
     MS_DOMAIN,
     cpu_session,
+    fuse_attention,
     int8_gemm_nodes,
     int8_matmul_model,
     int8_shared_constants,
@@ -484,6 +485,26 @@ def test_int8_gemm_is_close_to_fp32_with_an_outlier_channel_and_each_row_is_quan
     np.testing.assert_allclose(alone, batch, rtol=0, atol=1e-5)
 
 
+def test_fused_attention_computes_what_the_exported_attention_does(model_dir, tokenizer):
+    """The int8 graph's attention (one MultiHeadAttention per layer, the lengths its key padding
+    mask), checked on the fp32 graph where nothing else differs: rows of every length, padded among
+    longer ones, must get the exported graph's vectors."""
+    model = onnx.load(str(model_dir / FP32_FILE))  # the shared word-embedding table read in
+    fuse_attention(model, num_heads=12)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MultiHeadAttention") == 6 and "Softmax" not in ops
+    fused = ort.InferenceSession(model.SerializeToString(), providers=[CPU_PROVIDER])
+    exported = cpu_session(model_dir / FP32_FILE, threads=1)
+    texts = [*SENTENCES, "word " * 300, "a b", "The cat sat on the mat while the dog slept by the door."]
+    ids, lengths = pad_batch(tokenizer.encode(texts).ids)
+    assert lengths.min() < 8 and lengths.max() == 256  # short rows padded to the longest possible
+    for batch in (slice(None), slice(0, 1), slice(1, 2), slice(3, 5)):
+        got = fused.run(None, {"input_ids": ids[batch], "lengths": lengths[batch]})
+        want = exported.run(None, {"input_ids": ids[batch], "lengths": lengths[batch]})
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=0, atol=2e-6)
+
+
 def test_built_int8_graph_quantises_every_linear_layer_and_passed_its_gate(model_dir, built_manifest):
     if INT8_FILE not in {g["file"] for g in built_manifest["graphs"]}:
         pytest.skip("the model repository was built without an int8 graph (no data directory)")
@@ -491,6 +512,9 @@ def test_built_int8_graph_quantises_every_linear_layer_and_passed_its_gate(model
     ops = [n.op_type for n in graph.node]
     assert "Gemm" not in ops  # the FFN down projections too
     assert ops.count("MatMulIntegerToFloat") == 24  # 6 layers x (qkv, out, up, down)
+    assert ops.count("MultiHeadAttention") == 6 and "Softmax" not in ops
+    # One set of zero points, made once, for all 24 per-row quantisations.
+    assert len({n.input[2] for n in graph.node if n.op_type == "QuantizeLinear"}) == 1
     checks = {c["name"]: c for c in built_manifest["parity_int8"]["checks"]}
     assert all(c["passed"] for c in checks.values())
     assert checks["int8 batch invariance"]["min_cosine"] >= INT8_MIN_BATCH_COSINE == 0.9999
