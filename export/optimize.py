@@ -128,15 +128,15 @@ def quantize_int8(
     assert gemms, "no Gemm with constant weights: the export's linear layers changed"
     absmax = _input_absmax(model, [n.input[0] for n in gemms.values()], calibration_rows, batch)
     graph.initializer.extend(int8_shared_constants())
-    nodes = []
+    nodes, first = [], True
     for node in graph.node:
         if node.name not in gemms:
             nodes.append(node)
             continue
-        first = not any(n.op_type == "MatMulIntegerToFloat" for n in nodes)
         new_nodes, initializers = int8_gemm_nodes(node, weights[node.input[1]], absmax[node.input[0]], first)
         nodes.extend(new_nodes)
         graph.initializer.extend(initializers)
+        first = False
     del graph.node[:]
     graph.node.extend(nodes)
     used = {name for n in nodes for name in n.input}
