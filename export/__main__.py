@@ -135,7 +135,7 @@ def build(
         else None
     )
     figures = int8_report.to_dict() if int8_report else None
-    fp16 = build_fp16(staging, tokenizer, data_dir)
+    fp16 = build_fp16(staging, tokenizer, data_dir, ckpt.config.num_heads)
     text = manifest(ckpt, staging, shared, report.to_dict(), figures, fp16).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
 
@@ -157,13 +157,15 @@ def build_int8(
     return report
 
 
-def build_fp16(staging: Path, tokenizer: Tokenizer, data_dir: Path | None) -> dict[str, Any] | None:
+def build_fp16(
+    staging: Path, tokenizer: Tokenizer, data_dir: Path | None, num_heads: int
+) -> dict[str, Any] | None:
     """The fp16 graph for CUDA, where this host has a GPU to gate it on; a refused graph is one line,
     and the repository ships without it (CUDA then serves fp32)."""
     if not gpu_present() or CUDA_PROVIDER not in onnxruntime.get_available_providers():
         return None
     try:
-        return fp16_record(gated_fp16(staging, tokenizer, data_dir))
+        return fp16_record(gated_fp16(staging, tokenizer, data_dir, num_heads))
     except Fp16Error as e:
         print(f"export: {e}", file=sys.stderr)
         return None

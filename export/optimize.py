@@ -66,7 +66,8 @@ CUDA_GRAPHS: tuple[tuple[str, Precision, str], ...] = (
     (
         FP16_FILE,
         "fp16",
-        "fp16 weights and matrix products; LayerNorm, softmax, pooling and normalisation in fp32; "
+        "fp16 weights, matrix products and attention (one MultiHeadAttention node a layer); LayerNorm, "
+        "pooling and normalisation in fp32; "
         "gated on a GPU",
     ),
     (FP32_FILE, "fp32", "plain TorchScript export; ORT runtime optimisations at load"),
@@ -160,8 +161,9 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> None:
     sessions (one thread, CPU time, old and new interleaved batch by batch, 1,000 STS-B dev
     sentences, AMD EPYC Zen 4) it ran one sentence per run 1.13-1.15x as fast, batches of 8
     1.03-1.04x, batches of 32 1.00-1.01x: the gain is in small batches, where a lone request's
-    latency is; at 32 the attention kernel is no faster than the ops it replaces. The fp32 graph,
-    which CUDA runs too, keeps the exported attention.
+    latency is; at 32 the attention kernel is no faster than the ops it replaces. The fp16 graph for
+    CUDA is fused too (export/fp16.py); the fp32 graph, which CUDA can run as well, keeps the
+    exported attention.
     """
     graph = model.graph
     produced_by = {out: n for n in graph.node for out in n.output}

@@ -6,7 +6,8 @@
 #      over 10k random batches, the gRPC server on CUDA with 1, 2, 4 and 8 fronts
 #   4. with FRONT_BENCH=1: bench/bench_front.py's stand-in capacity with 1, 2, 4 and 8 fronts
 # Environment: MODEL_DIR (build/model), DATA_DIR (the directory holding stsbenchmark/), OUT
-# (build/bench/gpu), PYTHON (python3). Each step has its own time limit and runs whatever the last did.
+# (build/bench/gpu), PYTHON (python3), BENCH_GPU_FLAGS (more flags for bench_gpu.py, e.g. a shorter
+# run: "--skip memory --fronts 8 --seconds 3"). Each step has its own time limit and runs whatever the last did.
 set -u -o pipefail
 OUT=${OUT:-build/bench/gpu}
 MODEL_DIR=${MODEL_DIR:-build/model}
@@ -31,7 +32,9 @@ step() {  # step NAME SECONDS COMMAND...
 }
 step export-fp16 300 "$PY" -m minilm_embed.export.fp16 --model-dir "$MODEL_DIR" "${data[@]}"
 step test-gpu 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step bench-gpu "${BENCH_GPU_LIMIT:-450}" "$PY" bench/bench_gpu.py --model-dir "$MODEL_DIR" "${data[@]}" --out "$OUT"
+read -r -a bench_flags <<<"${BENCH_GPU_FLAGS:-}"
+step bench-gpu "${BENCH_GPU_LIMIT:-450}" "$PY" bench/bench_gpu.py --model-dir "$MODEL_DIR" "${data[@]}" --out "$OUT" \
+    "${bench_flags[@]}"
 if [ "${FRONT_BENCH:-0}" = 1 ]; then
     step bench-front 300 "$PY" bench/bench_front.py --model-dir "$MODEL_DIR" "${data[@]}" --skip-real-model \
         --fronts 1,2,4,8 --load-processes 4 --seconds 4 --repeats 1 --out "$OUT/front.json"

@@ -41,7 +41,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def converted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fp16") / FP16_FILE
-    fp16.convert_fp16(model_dir / FP32_FILE, out)
+    fp16.convert_fp16(model_dir / FP32_FILE, out, read_manifest(model_dir).config.num_heads)
     return out
 
 
@@ -53,7 +53,7 @@ def value_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def test_layernorm_softmax_and_pooling_compute_in_fp32_and_the_rest_in_fp16(converted, model_dir):
+def test_layernorm_and_pooling_compute_in_fp32_and_the_rest_in_fp16(converted, model_dir):
     model = onnx.load(str(converted))
     types = value_types(model)
     by_name = {n.name: n for n in model.graph.node}
@@ -66,7 +66,14 @@ def test_layernorm_softmax_and_pooling_compute_in_fp32_and_the_rest_in_fp16(conv
             ]
             assert all(t == TensorProto.FLOAT for t in floats), (node.name, node.op_type, floats)
             checked += 1
-    assert checked >= 13 + 6 + 2  # every LayerNorm, Softmax, and the pooling's sum and norm at least
+    assert checked >= 13 + 2  # every LayerNorm, and the pooling's sum and norm at least
+    # Each layer's attention is one MultiHeadAttention on fp16 queries, keys and values, its keys
+    # masked by the lengths in int32 (export.optimize.fuse_attention).
+    attention = [n for n in model.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(attention) == 6 and not any(n.op_type == "Softmax" for n in model.graph.node)
+    for node in attention:
+        assert [types[i] for i in node.input[:3]] == [TensorProto.FLOAT16] * 3, node.name
+        assert types[node.input[4]] == TensorProto.INT32, node.name
     gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
     assert len(gemms) == 24 and all(types[g.input[1]] == TensorProto.FLOAT16 for g in gemms)
     assert types["input_ids"] == types["lengths"] == TensorProto.INT64
@@ -93,7 +100,9 @@ def test_the_converters_own_output_is_refused_without_the_cast_clean_up(model_di
     """Why drop_cast_round_trips exists: the converter names two Casts of one value alike."""
     monkeypatch.setattr(fp16, "drop_cast_round_trips", lambda model, blocked: 0)
     with pytest.raises(onnx.checker.ValidationError):
-        fp16.convert_fp16(model_dir / FP32_FILE, tmp_path / FP16_FILE)
+        fp16.convert_fp16(
+            model_dir / FP32_FILE, tmp_path / FP16_FILE, read_manifest(model_dir).config.num_heads
+        )
 
 
 def test_fp16_vectors_on_the_cpu_provider_agree_with_fp32(converted, model_dir):
