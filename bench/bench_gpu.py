@@ -8,10 +8,13 @@ same host) and a usable CUDA execution provider; refuses to run otherwise. In th
 2. the ceiling: the server's own backend in process (OnnxBackend: I/O binding, shape buckets), fp32
    and fp16, over batch sizes 16..1024 on length-sorted inputs; plain `session.run` at the best one
    (what I/O binding saves); the fraction of the GPU's dense fp16 FLOP bound reached;
+   the fp16 graph with each layer's attention fused (the repository's, export/fp16.py) against the
+   same graph with the exported attention, plain `session.run`, the two taking turns batch by batch;
 3. where the time goes: ORT's profile of the fp16 graph at its best batch (op types' share of the
    run, and the run's host time not inside any op);
 4. GPU memory over 10,000 random batches (rows 1-128, lengths 1-256) through the fp16 backend:
-   the process's GPU memory (nvidia-smi) after 200 warm-up batches and after all;
+   the process's GPU memory (nvidia-smi) after every shape bucket ran at its largest (as the
+   engine's warm-up does) and 200 random batches, and after all;
 5. the gRPC server on CUDA (--device cuda) at concurrency 1, 64 and 256, with 1 and 32 sentences per
    request, with --fronts front processes each (the last gets every level, the others the 256-caller
    levels): real tokens/s, sentences/s, p50/p99, the server's GPU memory, against the ceiling.
@@ -27,6 +30,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,18 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import flop_per_token
 from bench_server import load_row
 
+from minilm_embed.export.fp16 import convert_fp16
 from minilm_embed.export.parity import CARRIED_SENTENCES
 from minilm_embed.model.data import read_sts, sts_path
-from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, open_repository
+from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, FP32_FILE, open_repository
 from minilm_embed.model.runtime import new_session, run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
-from minilm_embed.server.backend import OnnxBackend, bucket
+from minilm_embed.server.backend import OnnxBackend, bucket, bucket_warm_shapes
 from tests.gpu_memory import gpu_memory_mib
 from tests.server_process import start_server
 
 # Dense fp16 tensor-core FLOP/s (no sparsity) by device name, from NVIDIA's data sheets (SXM parts).
 FP16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12}
 BATCHES = (16, 32, 64, 128, 256, 512, 1024)
+ATTENTION_BATCHES = (32, 128, 256, 1024)
 
 
 @dataclass
@@ -157,6 +163,46 @@ def plain_run_rate(path: Path, rows: list[list[int]], batch: int, workload: str,
     )
 
 
+def attention_rates(
+    model_dir: Path, num_heads: int, work: dict[str, list[list[int]]], repeats: int
+) -> list[Rate]:
+    """The repository's fp16 graph (attention fused) against the fp16 graph converted with the
+    exported attention, both by plain `session.run`, taking turns at each batch size."""
+    rates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        exported = Path(tmp) / FP16_FILE
+        convert_fp16(model_dir / FP32_FILE, exported, num_heads, fuse=False)
+        sessions = {
+            label: new_session(path, [CUDA_PROVIDER], 0, (), serving=True)
+            for label, path in (("fused", model_dir / FP16_FILE), ("exported", exported))
+        }
+        for name, rows in work.items():
+            tokens = sum(len(r) for r in rows)
+            for batch in ATTENTION_BATCHES:
+                batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
+                for label, session in sessions.items():
+
+                    def run(
+                        session: ort.InferenceSession = session,
+                        batches: list[tuple[np.ndarray, np.ndarray]] = batches,
+                    ) -> None:
+                        for ids, lengths in batches:
+                            run_graph(session, ids, lengths)
+
+                    try:
+                        seconds = timed(run, repeats)
+                    except Exception as e:  # the arena's limit at the largest batches: recorded
+                        print(
+                            f"  attention {label} {name} batch {batch}: failed: {str(e)[:200]}",
+                            file=sys.stderr,
+                        )
+                        continue
+                    setup = f"ORT fp16, session.run, attention {label}"
+                    rates.append(Rate(setup, name, batch, len(rows) / seconds, tokens / seconds))
+                    print(f"  {rates[-1]}", file=sys.stderr)
+    return rates
+
+
 def st_rates(texts: dict[str, list[str]], token_counts: dict[str, int], repeats: int) -> list[Rate]:
     import torch
     from sentence_transformers import SentenceTransformer
@@ -201,6 +247,7 @@ def profile(model_dir: Path, rows: list[list[int]], batch: int) -> dict[str, Any
         run_graph(session, ids, lengths)
     trace = json.loads(Path(session.end_profiling()).read_text())
     by_op: dict[str, float] = {}
+    on_cpu: dict[str, int] = {}
     run_us = node_us = 0.0
     for event in trace:
         if event.get("cat") == "Session" and event.get("name") == "model_run":
@@ -209,6 +256,8 @@ def profile(model_dir: Path, rows: list[list[int]], batch: int) -> dict[str, Any
             op = event.get("args", {}).get("op_name", "?")
             by_op[op] = by_op.get(op, 0.0) + event["dur"]
             node_us += event["dur"]
+            if event.get("args", {}).get("provider") != CUDA_PROVIDER:  # placed on the CPU: copies
+                on_cpu[op] = on_cpu.get(op, 0) + 1
     shares = (
         {op: us / node_us for op, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]} if node_us else {}
     )
@@ -218,6 +267,7 @@ def profile(model_dir: Path, rows: list[list[int]], batch: int) -> dict[str, Any
         "run_us": run_us,
         "node_us": node_us,
         "op_share": shares,
+        "ops_not_on_cuda": on_cpu,
     }
 
 
@@ -234,6 +284,9 @@ def memory_flat(
         shapes.add(bucket(*ids.shape))
         backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
+    # Every shape bucket at its largest first, as the engine's warm-up does on CUDA.
+    for rows, length in bucket_warm_shapes(128, 128 * 256, 256):
+        backend.run(np.full((rows, length), 1000, np.int64), np.full(rows, length, np.int64))
     for _ in range(warm):
         one()
     before = gpu_memory_mib(os.getpid())
@@ -340,7 +393,9 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="load duration per served level")
     p.add_argument("--fronts", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--load-processes", type=int, default=4)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: st, profile, memory, served")
+    p.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: st, attention, profile, memory, served"
+    )
     args = p.parse_args()
     skip = set(args.skip.split(","))
     if CUDA_PROVIDER not in ort.get_available_providers():
@@ -387,6 +442,8 @@ def main() -> int:
     rates += [
         plain_run_rate(args.model_dir / FP16_FILE, rows[w], b.batch, w, args.repeats) for w, b in best.items()
     ]
+    if "attention" not in skip:
+        rates += attention_rates(args.model_dir, repo.manifest.config.num_heads, rows, args.repeats)
     report["rates"] = [asdict(r) for r in rates]
     report["ceiling"] = {w: b.tokens_per_s for w, b in best.items()}
     report["best_batch"] = {w: b.batch for w, b in best.items()}

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from minilm_embed.model.repository import CUDA_PROVIDER
 from minilm_embed.server import logs, protocol
-from minilm_embed.server.backend import ModelRepository, OnnxBackend, open_repository
+from minilm_embed.server.backend import ModelRepository, OnnxBackend, bucket_warm_shapes, open_repository
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.errors import ServiceError
@@ -75,13 +76,18 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
     600 s soak saw resident memory creep up 6.6% as rarer pairs of big batches met; with it, an
     in-process run of random batches stayed within 0.2%. On the model threads themselves, because
     the kernels keep per-thread scratch buffers: warmed on threads of its own, the engine grew
-    another 33 MB at its first flood of 256-token batches (bench/bench_hostile.py).
+    another 33 MB at its first flood of 256-token batches (bench/bench_hostile.py). On CUDA, every
+    shape bucket the batch limits reach, each at its most tokens (backend.bucket_warm_shapes): the
+    arena there only stops growing once each bucket's largest batch has run.
     """
     started = time.perf_counter()
-    shapes = []
-    for length in (8, 16, 32, 64, 128, longest):
-        rows = max(1, min(config.max_batch_size, config.max_batch_tokens // length))
-        shapes += [(batch, length) for batch in sorted({1, rows})]
+    if backend.provider == CUDA_PROVIDER:
+        shapes = bucket_warm_shapes(config.max_batch_size, config.max_batch_tokens, longest)
+    else:
+        shapes = []
+        for length in (8, 16, 32, 64, 128, longest):
+            rows = max(1, min(config.max_batch_size, config.max_batch_tokens // length))
+            shapes += [(batch, length) for batch in sorted({1, rows})]
 
     def one_instance() -> None:
         for batch, length in shapes:

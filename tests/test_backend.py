@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,16 @@ from minilm_embed.export.optimize import cpu_session
 from minilm_embed.model.repository import CPU_PROVIDER as CPU
 from minilm_embed.model.repository import CUDA_PROVIDER as CUDA
 from minilm_embed.model.runtime import run_graph
-from minilm_embed.server.backend import BoundSession, OnnxBackend, bucket, open_repository, plan_instances
+from minilm_embed.server.backend import (
+    BoundSession,
+    OnnxBackend,
+    bucket,
+    bucket_warm_shapes,
+    open_repository,
+    plan_instances,
+)
+from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.engine import warm_up
 
 
 @pytest.mark.parametrize(
@@ -119,6 +129,46 @@ def test_concurrent_runs_each_get_their_own_batch_answer(repo, threads):
 )
 def test_cuda_batches_are_padded_up_to_few_shapes(rows, positions, bucketed):
     assert bucket(rows, positions) == bucketed
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "max_tokens", "longest"), [(32, 1024, 256), (256, 32768, 256), (9, 300, 100)]
+)
+def test_the_cuda_warm_up_runs_every_bucket_a_batch_can_reach_at_its_most_tokens(
+    max_rows, max_tokens, longest
+):
+    shapes = bucket_warm_shapes(max_rows, max_tokens, longest)
+    assert all(r <= max_rows and r * n <= max_tokens and n <= longest for r, n in shapes)
+    warmed = {bucket(r, n): r * n for r, n in shapes}
+    assert len(warmed) == len(shapes)  # one batch a bucket
+    most: dict[tuple[int, int], int] = {}  # every batch the limits allow, by bucket
+    for r in range(1, max_rows + 1):
+        for n in range(1, min(longest, max_tokens // r) + 1):
+            most[bucket(r, n)] = max(most.get(bucket(r, n), 0), r * n)
+    assert warmed == most
+
+
+def test_the_engine_warms_a_cuda_backend_through_every_bucket_and_a_cpu_one_as_before():
+    class Recording:
+        instances, threads, precision, load_seconds = 1, 1, "fp16", 0.0
+
+        def __init__(self, provider: str) -> None:
+            self.provider, self.shapes = provider, []
+
+        def run(self, ids, lengths):
+            self.shapes.append(ids.shape)
+            assert (lengths == ids.shape[1]).all()
+            return np.zeros((len(ids), 4), np.float32), np.zeros((len(ids), 4), np.float32)
+
+    config = ServerConfig(max_batch_size=64, max_batch_tokens=4096)
+    cuda, cpu = Recording(CUDA), Recording(CPU)
+    with ThreadPoolExecutor(1) as pool:
+        warm_up(cuda, config, 256, pool)
+        warm_up(cpu, config, 256, pool)
+    assert cuda.shapes == bucket_warm_shapes(64, 4096, 256)
+    # 7 row buckets (1-64) x 7 length buckets, less rows 33-64 past 128 tokens (33 x 129 > 4,096)
+    assert len({bucket(*shape) for shape in cuda.shapes}) == 7 * 7 - 2
+    assert cpu.shapes[-2:] == [(1, 256), (16, 256)]  # the CPU's representative shapes, unchanged
 
 
 def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_reuses_its_buffers(repo):
