@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minilm_embed.server.batcher import Batcher, BatchLimits, Rows
-from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.metrics import Metrics
 
 DIMENSIONS = 384
@@ -42,7 +42,7 @@ def instant(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarra
 async def measure(
     per_request: int, inputs: int, callers: int, config: ServerConfig | None = None
 ) -> dict[str, float]:
-    c = config or ServerConfig()
+    c = batch_limits_for(config or ServerConfig(), "CPUExecutionProvider")
     limits = BatchLimits(
         c.max_batch_tokens, c.max_batch_size, c.max_queue_delay_ms / 1000, 1 << 20, c.max_padding
     )
@@ -78,8 +78,8 @@ def main() -> None:
     p.add_argument("--inputs", type=int, default=64000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--callers", type=int, default=64)
-    p.add_argument("--max-batch-size", type=int, default=ServerConfig.max_batch_size)
-    p.add_argument("--max-batch-tokens", type=int, default=ServerConfig.max_batch_tokens)
+    p.add_argument("--max-batch-size", type=int, default=0, help="0: the server's auto (the CPU's)")
+    p.add_argument("--max-batch-tokens", type=int, default=0, help="0: the server's auto (the CPU's)")
     p.add_argument("--out", type=Path, default=Path("build/bench/batcher.json"))
     args = p.parse_args()
     config = ServerConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)

@@ -52,7 +52,7 @@ from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.server import protocol
 from minilm_embed.server.batcher import Rows
-from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.config import AUTO_BATCH_LIMITS
 from tests.proc_tree import descendants
 from tests.server_process import start_server
 
@@ -457,7 +457,7 @@ def main() -> None:
     p.add_argument(
         "--engine-batches",
         type=lambda v: [tuple(int(n) for n in b.split("x")) for b in v.split(",")],
-        default=[(ServerConfig.max_batch_size, ServerConfig.max_batch_tokens), (256, 8192)],
+        default=[AUTO_BATCH_LIMITS["CPUExecutionProvider"], (256, 8192)],
         help="the engine alone at each of these batch limits, ROWSxTOKENS, comma-separated (default: the "
         "server's, 32x1024, and 256x8192, a GPU-sized batch)",
     )

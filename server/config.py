@@ -41,9 +41,10 @@ class ServerConfig:
     device: Device = "auto"
     # auto: the provider's first graph (fp32 on the CPU); int8 is an opt-in on the CPU provider.
     precision: str = "auto"
-    # Padded tokens per batch (rows x longest row): bounds one model run's work and memory.
-    max_batch_tokens: int = 1024
-    max_batch_size: int = 32
+    # Padded tokens per batch (rows x longest row): bounds one model run's work and memory. 0: auto,
+    # by the provider the model really runs on (batch_limits_for).
+    max_batch_tokens: int = 0
+    max_batch_size: int = 0
     # Largest share of padding a batch may carry. The graph skips padding everywhere but in
     # attention, so this bounds attention's waste when long and short inputs meet (0.3-1.0 ran
     # within noise on STS-B; a padded graph wanted 0.15).
@@ -103,8 +104,6 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         positive = (
-            "max_batch_tokens",
-            "max_batch_size",
             "max_inputs_per_request",
             "queue_limit",
             "max_stream_in_flight",
@@ -141,6 +140,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if self.max_connection_age_s <= 0:
             raise ValueError(f"max_connection_age_s must be more than 0, not {self.max_connection_age_s}")
+        for name in ("max_batch_tokens", "max_batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (auto) or more, not {getattr(self, name)}")
         if self.front_processes < 0:
             raise ValueError(f"front_processes must be 0 (auto) or more, not {self.front_processes}")
         if self.model_instances < 0 or self.threads < 0:
@@ -158,6 +160,22 @@ class ServerConfig:
             raise ValueError(f"precision must be auto, fp32, fp16 or int8, not {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
+
+
+# The batch limits `0` (auto) stands for, by execution provider (rows, padded tokens): on the CPU
+# 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H200 sweep's
+# served setting (README, "GPU").
+AUTO_BATCH_LIMITS = {"CPUExecutionProvider": (32, 1024), "CUDAExecutionProvider": (256, 32768)}
+
+
+def batch_limits_for(config: ServerConfig, provider: str) -> ServerConfig:
+    """`config` with its auto (0) batch limits set for the provider the model runs on."""
+    rows, tokens = AUTO_BATCH_LIMITS.get(provider, AUTO_BATCH_LIMITS["CPUExecutionProvider"])
+    return dataclasses.replace(
+        config,
+        max_batch_size=config.max_batch_size or rows,
+        max_batch_tokens=config.max_batch_tokens or tokens,
+    )
 
 
 _HELP = {
@@ -180,8 +198,11 @@ _HELP = {
     "model_dir": "model repository written by `python -m minilm_embed.export`",
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
-    "max_batch_tokens": "padded tokens (rows x longest row) per batch; must hold one max-length input",
-    "max_batch_size": "rows per batch",
+    "max_batch_tokens": (
+        "padded tokens (rows x longest row) per batch; must hold one max-length input (0: auto, 1024 on "
+        "the CPU, 32768 on CUDA)"
+    ),
+    "max_batch_size": "rows per batch (0: auto, 32 on the CPU, 256 on CUDA)",
     "max_padding": "largest share of padded tokens in a batch (0-1); inputs left out form the next batch",
     "max_queue_delay_ms": "longest wait for a batch to fill while another batch computes (an idle "
     "instance runs a lone input at once)",

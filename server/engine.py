@@ -27,7 +27,7 @@ from minilm_embed.model.repository import CUDA_PROVIDER
 from minilm_embed.server import logs, protocol
 from minilm_embed.server.backend import ModelRepository, OnnxBackend, bucket_warm_shapes, open_repository
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows
-from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.errors import ServiceError
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.proctitle import name_process
@@ -145,6 +145,8 @@ class Engine:
                 warm_s,
                 os.getpid(),
                 self.repo.manifest.tokenizer_sha256,
+                self.config.max_batch_size,
+                self.config.max_batch_tokens,
             )
             for identity in self._waiting:
                 self._channel.send([identity, *protocol.ready(self.facts)])
@@ -227,12 +229,16 @@ def create_engine(
 ) -> Engine:
     """Load and verify the model repository and the backend (errors: ModelRepositoryError, ValueError)."""
     repo = open_repository(config.model_dir)
-    if config.max_batch_tokens < repo.max_input_tokens:
+    if 0 < config.max_batch_tokens < repo.max_input_tokens:  # refused before the model loads
         raise ValueError(
             f"max_batch_tokens {config.max_batch_tokens} cannot hold one input of "
             f"max_input_tokens {repo.max_input_tokens}"
         )
     backend = backend_factory(config, repo)
+    config = batch_limits_for(config, backend.provider)
+    log.info(
+        "batches of at most %d rows and %d padded tokens", config.max_batch_size, config.max_batch_tokens
+    )
     m = repo.manifest
     metrics.model.labels(m.model_id, m.weights_sha256, backend.precision, backend.provider).set(1)
     metrics.load_seconds.set(backend.load_seconds)

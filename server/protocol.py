@@ -57,6 +57,9 @@ class EngineFacts:
     # The repository the engine verified: a front that reads another (replaced while serving, then
     # the front restarted) would tokenize for graphs the engine is not running.
     tokenizer_sha256: str
+    # The batch limits the engine runs with: auto (0) settings resolved for its provider.
+    max_batch_size: int
+    max_batch_tokens: int
 
 
 @dataclass(frozen=True)

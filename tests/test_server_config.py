@@ -11,7 +11,14 @@ import grpc
 import pytest
 
 from minilm_embed.client.client import EmbeddingClient
-from minilm_embed.server.config import ConfigError, ServerConfig, build_parser, env_name, load_config
+from minilm_embed.server.config import (
+    ConfigError,
+    ServerConfig,
+    batch_limits_for,
+    build_parser,
+    env_name,
+    load_config,
+)
 from tests.server_process import loopback_command, model_dir, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +79,7 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--max-batch-size", "0"], {}, "max_batch_size must be at least 1, not 0"),
+        (["--max-batch-size", "-1"], {}, "max_batch_size must be 0 (auto) or more, not -1"),
         (["--queue-limit", "-1"], {}, "queue_limit must be at least 1, not -1"),
         (["--device", "tpu"], {}, "device must be auto, cuda or cpu, not 'tpu'"),
         ([], {"EMBED_LOG_FORMAT": "yaml"}, "log_format must be text or json, not 'yaml'"),
@@ -90,6 +97,21 @@ def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, mess
     assert message in refusal(argv, env, capsys)
 
 
+@pytest.mark.parametrize(
+    ("rows", "tokens", "provider", "resolved"),
+    [
+        (0, 0, "CPUExecutionProvider", (32, 1024)),
+        (0, 0, "CUDAExecutionProvider", (256, 32768)),
+        (8, 0, "CUDAExecutionProvider", (8, 32768)),
+        (0, 512, "CPUExecutionProvider", (32, 512)),
+        (64, 4096, "CUDAExecutionProvider", (64, 4096)),
+    ],
+)
+def test_auto_batch_limits_follow_the_provider_and_set_ones_stay(rows, tokens, provider, resolved):
+    config = batch_limits_for(ServerConfig(max_batch_size=rows, max_batch_tokens=tokens), provider)
+    assert (config.max_batch_size, config.max_batch_tokens) == resolved
+
+
 def run_server(*args: str) -> subprocess.CompletedProcess[str]:
     command = loopback_command("--model-dir", str(model_dir()), *args)
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -98,7 +120,7 @@ def run_server(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-batch-size", "0"], "max_batch_size must be at least 1, not 0"),
+        (["--max-batch-tokens", "-1"], "max_batch_tokens must be 0 (auto) or more, not -1"),
         (["--device", "tpu"], "device must be auto, cuda or cpu, not 'tpu'"),
     ],
 )
@@ -135,6 +157,7 @@ def test_server_process_takes_settings_from_env_and_flags_over_env():
         with EmbeddingClient(server.address, timeout=30) as c:
             limits = c.info().limits
             assert (limits.max_inputs_per_request, limits.max_batch_size, limits.queue_limit) == (7, 8, 99)
+            assert limits.max_batch_tokens == 1024  # auto: the CPU's, the provider this server runs on
             assert c.embed(["x"] * 7).shape == (7, 384)
             with pytest.raises(grpc.RpcError) as e:
                 c.embed(["x"] * 8)
