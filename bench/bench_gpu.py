@@ -9,7 +9,8 @@ same host) and a usable CUDA execution provider; refuses to run otherwise. In th
    and fp16, over batch sizes 16..1024 on length-sorted inputs; plain `session.run` at the best one
    (what I/O binding saves); the fraction of the GPU's dense fp16 FLOP bound reached;
    the fp16 graph with each layer's attention fused (the repository's, export/fp16.py) against the
-   same graph with the exported attention, plain `session.run`, the two taking turns batch by batch;
+   same graph with the lengths and row starts as attention's key mask and with the exported
+   attention, plain `session.run`, the three taking turns batch by batch;
 3. where the time goes: ORT's profile of the fp16 graph at its best batch (op types' share of the
    run, and the run's host time not inside any op);
 4. GPU memory over 10,000 random batches (rows 1-128, lengths 1-256) through the fp16 backend:
@@ -165,17 +166,29 @@ def plain_run_rate(path: Path, rows: list[list[int]], batch: int, workload: str,
 
 def attention_rates(
     model_dir: Path, num_heads: int, work: dict[str, list[list[int]]], repeats: int
-) -> list[Rate]:
-    """The repository's fp16 graph (attention fused) against the fp16 graph converted with the
-    exported attention, both by plain `session.run`, taking turns at each batch size."""
+) -> tuple[list[Rate], dict[str, float]]:
+    """The repository's fp16 graph (attention fused, the lengths its key mask) against fp16 graphs
+    converted with the lengths and row starts as the key mask (export.optimize.KeyMask) and with the
+    exported attention, all by plain `session.run`, taking turns at each batch size; and each
+    graph's min cosine against the repository's on rows of every length padded together (the CPU
+    kernel ignores the starts, so only a GPU checks them)."""
     rates = []
     with tempfile.TemporaryDirectory() as tmp:
-        exported = Path(tmp) / FP16_FILE
-        convert_fp16(model_dir / FP32_FILE, exported, num_heads, fuse=False)
+        graphs = {"fused": model_dir / FP16_FILE}
+        for label, key_mask in (("fused, key starts", "lengths-and-starts"), ("exported", None)):
+            graphs[label] = Path(tmp) / f"{len(graphs)}.onnx"
+            convert_fp16(model_dir / FP32_FILE, graphs[label], num_heads, key_mask)
         sessions = {
-            label: new_session(path, [CUDA_PROVIDER], 0, (), serving=True)
-            for label, path in (("fused", model_dir / FP16_FILE), ("exported", exported))
+            label: new_session(path, [CUDA_PROVIDER], 0, (), serving=True) for label, path in graphs.items()
         }
+        every = [r for rows in work.values() for r in rows]
+        mixed = pad_batch(every[:: max(1, len(every) // 64)])  # 64 rows, shortest to longest
+        want = run_graph(sessions["fused"], *mixed)[0]
+        agreement = {
+            label: float(np.min(np.sum(run_graph(session, *mixed)[0] * want, axis=1)))
+            for label, session in sessions.items()
+        }
+        print(f"  attention variants' min cosine vs fused: {agreement}", file=sys.stderr)
         for name, rows in work.items():
             tokens = sum(len(r) for r in rows)
             for batch in ATTENTION_BATCHES:
@@ -200,7 +213,7 @@ def attention_rates(
                     setup = f"ORT fp16, session.run, attention {label}"
                     rates.append(Rate(setup, name, batch, len(rows) / seconds, tokens / seconds))
                     print(f"  {rates[-1]}", file=sys.stderr)
-    return rates
+    return rates, agreement
 
 
 def st_rates(texts: dict[str, list[str]], token_counts: dict[str, int], repeats: int) -> list[Rate]:
@@ -366,6 +379,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['setup']} | {r['workload']} | {r['batch']} | {r['sentences_per_s']:,.0f} | "
             f"{r['tokens_per_s']:,.0f} | {vs:.2f} | {r['tokens_per_s'] / bound:.1%} |"
         )
+    if report.get("attention_min_cosine"):
+        agreement = ", ".join(f"{k} {v:.6f}" for k, v in report["attention_min_cosine"].items())
+        lines += ["", f"Attention variants, min cosine against the repository's fp16 graph: {agreement}"]
     if report.get("served"):
         lines += [
             "",
@@ -443,7 +459,10 @@ def main() -> int:
         plain_run_rate(args.model_dir / FP16_FILE, rows[w], b.batch, w, args.repeats) for w, b in best.items()
     ]
     if "attention" not in skip:
-        rates += attention_rates(args.model_dir, repo.manifest.config.num_heads, rows, args.repeats)
+        variants, report["attention_min_cosine"] = attention_rates(
+            args.model_dir, repo.manifest.config.num_heads, rows, args.repeats
+        )
+        rates += variants
     report["rates"] = [asdict(r) for r in rates]
     report["ceiling"] = {w: b.tokens_per_s for w, b in best.items()}
     report["best_batch"] = {w: b.batch for w, b in best.items()}

@@ -36,7 +36,7 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 from minilm_embed.export.onnx import save
-from minilm_embed.export.optimize import fuse_attention, graph_plan
+from minilm_embed.export.optimize import KeyMask, fuse_attention, graph_plan
 from minilm_embed.export.parity import ParityReport, run_fp16_gate
 from minilm_embed.model.data import DataError
 from minilm_embed.model.repository import (
@@ -131,15 +131,17 @@ def sort_nodes(graph: onnx.GraphProto) -> None:
     graph.node.extend(ordered)
 
 
-def convert_fp16(fp32: Path, out: Path, num_heads: int, fuse: bool = True) -> dict[str, int]:
+def convert_fp16(
+    fp32: Path, out: Path, num_heads: int, key_mask: KeyMask | None = "lengths"
+) -> dict[str, int]:
     """Write the fp16 graph of the fp32 graph at `fp32` to `out` (one file, weights inside), each
-    layer's attention one MultiHeadAttention node (`fuse_attention`; `fuse=False` keeps the exported
-    attention, for comparison)."""
+    layer's attention one MultiHeadAttention node (`fuse_attention`, its keys masked by `key_mask`;
+    None keeps the exported attention, for comparison)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     model = onnx.load(str(fp32))  # with the shared table, read from its file
-    if fuse:
-        fuse_attention(model, num_heads)
+    if key_mask is not None:
+        fuse_attention(model, num_heads, key_mask)
     blocked = pooling_nodes(model)
     converted = convert_float_to_float16(
         model, keep_io_types=True, op_block_list=list(BLOCKED_OPS), node_block_list=blocked

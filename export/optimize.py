@@ -22,6 +22,7 @@ import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -148,7 +149,16 @@ def quantize_int8(
     out.write_bytes(model.SerializeToString())
 
 
-def fuse_attention(model: onnx.ModelProto, num_heads: int) -> None:
+# How MultiHeadAttention is told which keys are padding: the lengths, shape (B,), or the lengths with
+# each row's query and key start in the padded (B, T) layout, shape (3B + 2,). ORT's CUDA kernel
+# picks its attention kernel by this form: reading its source, the first rules out the
+# memory-efficient (cutlass) kernel, which takes the second. ORT's CPU kernel reads only the lengths
+# of either (tests/test_export.py checks both forms there, so the starts only on a GPU:
+# bench_gpu.py's `attention` part compares the vectors, then the speed). Not yet run on a GPU.
+KeyMask = Literal["lengths", "lengths-and-starts"]
+
+
+def fuse_attention(model: onnx.ModelProto, num_heads: int, key_mask: KeyMask = "lengths") -> None:
     """Each layer's attention as one com.microsoft.MultiHeadAttention, its keys masked by the lengths.
 
     The export spells attention out (model/encoder.py's SelfAttention): from the packed qkv
@@ -187,6 +197,22 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> None:
         make("Concat", ["mha/batch_seq", "mha/three_c"], ["mha/padded_qkv_shape"], axis=0),
         make("Cast", [LENGTHS], ["mha/lengths_int32"], to=TensorProto.INT32),  # the key padding mask
     ]
+    mask = "mha/lengths_int32"
+    if key_mask == "lengths-and-starts":
+        mask = "mha/lengths_starts"
+        constants += [
+            numpy_helper.from_array(np.array(0, np.int64), "mha/zero"),
+            numpy_helper.from_array(np.array(1, np.int64), "mha/one"),
+        ]
+        head += [  # each row's start in the padded layout, 0, T, 2T, ..., BT: for queries and for keys
+            make("Gather", ["mha/batch_seq", "mha/zero"], ["mha/batch"], axis=0),
+            make("Gather", ["mha/batch_seq", "mha/one"], ["mha/seq"], axis=0),
+            make("Add", ["mha/batch", "mha/one"], ["mha/batch_plus_one"]),
+            make("Range", ["mha/zero", "mha/batch_plus_one", "mha/one"], ["mha/rows"]),
+            make("Mul", ["mha/rows", "mha/seq"], ["mha/starts"]),
+            make("Cast", ["mha/starts"], ["mha/starts_int32"], to=TensorProto.INT32),
+            make("Concat", ["mha/lengths_int32", "mha/starts_int32", "mha/starts_int32"], [mask], axis=0),
+        ]
     replaced = {}
     for scope in scopes:
         qkv, out = named[scope + "/Gemm"].output[0], named[scope + "/out/Gemm"].input[0]
@@ -200,7 +226,7 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> None:
             make("Split", [p + "/qkv", "mha/split"], [p + "/q", p + "/k", p + "/v"], axis=2),  # 3 x (B, T, C)
             make(
                 "MultiHeadAttention",
-                [p + "/q", p + "/k", p + "/v", "", "mha/lengths_int32"],
+                [p + "/q", p + "/k", p + "/v", "", mask],
                 [p + "/context"],
                 domain=MS_DOMAIN,
                 num_heads=num_heads,

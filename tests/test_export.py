@@ -485,12 +485,14 @@ def test_int8_gemm_is_close_to_fp32_with_an_outlier_channel_and_each_row_is_quan
     np.testing.assert_allclose(alone, batch, rtol=0, atol=1e-5)
 
 
-def test_fused_attention_computes_what_the_exported_attention_does(model_dir, tokenizer):
-    """The int8 graph's attention (one MultiHeadAttention per layer, the lengths its key padding
-    mask), checked on the fp32 graph where nothing else differs: rows of every length, padded among
-    longer ones, must get the exported graph's vectors."""
+@pytest.mark.parametrize("key_mask", ["lengths", "lengths-and-starts"])
+def test_fused_attention_computes_what_the_exported_attention_does(model_dir, tokenizer, key_mask):
+    """The int8 and fp16 graphs' attention (one MultiHeadAttention per layer, the lengths its key
+    padding mask; or the lengths and row starts, bench_gpu.py's alternative, whose starts the CPU
+    kernel does not read), checked on the fp32 graph where nothing else differs: rows of every
+    length, padded among longer ones, must get the exported graph's vectors."""
     model = onnx.load(str(model_dir / FP32_FILE))  # the shared word-embedding table read in
-    fuse_attention(model, num_heads=12)
+    fuse_attention(model, num_heads=12, key_mask=key_mask)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MultiHeadAttention") == 6 and "Softmax" not in ops
     fused = ort.InferenceSession(model.SerializeToString(), providers=[CPU_PROVIDER])
