@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from minilm_embed.model.repository import CPU_PROVIDER
 from minilm_embed.server.batcher import Batcher, BatchLimits, Rows
 from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.metrics import Metrics
@@ -42,7 +43,7 @@ def instant(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarra
 async def measure(
     per_request: int, inputs: int, callers: int, config: ServerConfig | None = None
 ) -> dict[str, float]:
-    c = batch_limits_for(config or ServerConfig(), "CPUExecutionProvider")
+    c = batch_limits_for(config or ServerConfig(), CPU_PROVIDER)
     limits = BatchLimits(
         c.max_batch_tokens, c.max_batch_size, c.max_queue_delay_ms / 1000, 1 << 20, c.max_padding
     )

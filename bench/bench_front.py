@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_server import Row, ceiling, load, load_http, load_row, sentences, table
 
-from minilm_embed.model.repository import TOKENIZER_FILE
+from minilm_embed.model.repository import CPU_PROVIDER, TOKENIZER_FILE
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.server import protocol
@@ -457,7 +457,7 @@ def main() -> None:
     p.add_argument(
         "--engine-batches",
         type=lambda v: [tuple(int(n) for n in b.split("x")) for b in v.split(",")],
-        default=[AUTO_BATCH_LIMITS["CPUExecutionProvider"], (256, 8192)],
+        default=[AUTO_BATCH_LIMITS[CPU_PROVIDER], (256, 8192)],
         help="the engine alone at each of these batch limits, ROWSxTOKENS, comma-separated (default: the "
         "server's, 32x1024, and 256x8192, a GPU-sized batch)",
     )

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
+
 Device = Literal["auto", "cuda", "cpu"]
 
 
@@ -165,12 +167,12 @@ class ServerConfig:
 # The batch limits `0` (auto) stands for, by execution provider (rows, padded tokens): on the CPU
 # 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H200 sweep's
 # served setting (README, "GPU").
-AUTO_BATCH_LIMITS = {"CPUExecutionProvider": (32, 1024), "CUDAExecutionProvider": (256, 32768)}
+AUTO_BATCH_LIMITS = {CPU_PROVIDER: (32, 1024), CUDA_PROVIDER: (256, 32768)}
 
 
 def batch_limits_for(config: ServerConfig, provider: str) -> ServerConfig:
     """`config` with its auto (0) batch limits set for the provider the model runs on."""
-    rows, tokens = AUTO_BATCH_LIMITS.get(provider, AUTO_BATCH_LIMITS["CPUExecutionProvider"])
+    rows, tokens = AUTO_BATCH_LIMITS.get(provider, AUTO_BATCH_LIMITS[CPU_PROVIDER])
     return dataclasses.replace(
         config,
         max_batch_size=config.max_batch_size or rows,

@@ -125,8 +125,8 @@ def test_gpu_memory_stays_flat_over_random_batch_shapes(repo):
             backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
     # Every bucket at its largest shape first (8 row counts x 7 lengths), as a warmed server has met
-    # them: after 300 random batches alone, a rarer large shape stepped the memory up 114 MiB at
-    # batch 6,750 of the fused graph; after this, 7,750 random batches moved it 2 MiB (H100).
+    # them: with random batches alone, a rarer large shape stepped the fused graph's memory up
+    # 114 MiB at batch 6,750; after this warm-up, 7,750 random batches moved it 2 MiB (H100).
     for rows in (1, 2, 4, 8, 16, 32, 64, 128):
         for length in SEQUENCE_BUCKETS:
             ids = rng.integers(1000, 30000, (rows, length))
