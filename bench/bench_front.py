@@ -53,7 +53,7 @@ from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 from minilm_embed.server import protocol
 from minilm_embed.server.batcher import Rows
 from minilm_embed.server.config import AUTO_BATCH_LIMITS
-from tests.proc_tree import descendants
+from tests.proc_tree import tree_cpu_seconds
 from tests.server_process import start_server
 
 STAND_IN = ("tests.stand_in_server", "instant")
@@ -70,19 +70,6 @@ class Capacity:
     cpu_us_per_request: float
     cpu_us_per_sentence: float
     errors: int
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of `pid` and every descendant, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in descendants(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it ended meanwhile
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def measure(

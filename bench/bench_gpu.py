@@ -55,6 +55,7 @@ from minilm_embed.model.runtime import new_session, run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from minilm_embed.server.backend import OnnxBackend, bucket, bucket_warm_shapes
 from tests.gpu_memory import gpu_memory_mib
+from tests.proc_tree import tree_cpu_seconds
 from tests.server_process import start_server
 
 # Dense fp16 tensor-core FLOP/s (no sparsity) by device name, from NVIDIA's data sheets (SXM parts).
@@ -343,14 +344,21 @@ def served(
                 items = texts[name]
                 for concurrency, per_request in plan:
                     processes = 1 if concurrency == 1 else load_processes
+                    cpu_before = tree_cpu_seconds(server.proc.pid)
                     row = load_row(server.address, items, concurrency, per_request, seconds, processes)
+                    # Cores busy: the server's (fronts and engine; includes the load's connecting
+                    # and the few idle seconds before it starts) and the load generator's.
+                    server_cpu = tree_cpu_seconds(server.proc.pid) - cpu_before
                     entry = dict(
-                        asdict(row), fronts=n, workload=name, gpu_mib=gpu_memory_mib(server.proc.pid)
-                    )
+                        asdict(row), fronts=n, workload=name, gpu_mib=gpu_memory_mib(server.proc.pid),
+                        server_cores=server_cpu / seconds, client_cores=row.client_cpu_s / seconds,
+                        cores=os.cpu_count(),
+                    )  # fmt: skip
                     results.append(entry)
                     print(
                         f"  {n} fronts {name} c={concurrency} x{per_request}: {row.tokens_per_s:,.0f} tok/s "
-                        f"p50 {row.p50_ms:.1f} ms errors {row.errors}",
+                        f"p50 {row.p50_ms:.1f} ms errors {row.errors}; cores busy: server "
+                        f"{entry['server_cores']:.1f}, load {entry['client_cores']:.1f}",
                         file=sys.stderr,
                     )
         finally:
@@ -387,16 +395,17 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "| fronts | workload | conc. | inputs/req | sentences/s | real tokens/s | x ceiling | p50 ms "
-            "| p99 ms | GPU MiB | errors |",
+            "| p99 ms | GPU MiB | server cores | load cores | errors |",
         ]
-        lines += ["|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in report["served"]:
             ceiling = report["ceiling"][s["workload"]]
             lines.append(
                 f"| {s['fronts']} | {s['workload']} | {s['concurrency']} | {s['inputs_per_request']} | "
                 f"{s['sentences_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
                 f"{s['tokens_per_s'] / ceiling:.2f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | "
-                f"{s['gpu_mib']:.0f} | {s['errors']} {s['error_codes']} |"
+                f"{s['gpu_mib']:.0f} | {s.get('server_cores', 0):.1f} | {s.get('client_cores', 0):.1f} | "
+                f"{s['errors']} {s['error_codes']} |"
             )
     return "\n".join(lines)
 

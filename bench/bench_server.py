@@ -89,6 +89,7 @@ class Row:
     p99_ms: float
     error_codes: str = ""
     runs: list[float] | None = None  # tokens/s of every repeat; the row is the best one
+    client_cpu_s: float = 0.0  # the load generator's own CPU time while it ran (every process)
 
 
 def sentences(data_dir: Path | None) -> list[str]:
@@ -139,7 +140,7 @@ def measured_row(
     concurrency: int,
     per_request: int,
     latencies: list[float],
-    totals: dict[str, int],
+    totals: dict[str, float],
     codes: Counter[str],
     elapsed: float,
 ) -> Row:
@@ -150,6 +151,7 @@ def measured_row(
         totals["inputs"] / elapsed, totals["tokens"] / elapsed,
         float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
         ", ".join(f"{k} {v}" for k, v in codes.most_common()),
+        client_cpu_s=totals.get("cpu_s", 0.0),
     )  # fmt: skip
 
 
@@ -159,7 +161,7 @@ async def load(address: str, texts: list[str], concurrency: int, per_request: in
     )
 
 
-Tally = tuple[list[float], dict[str, int], Counter[str], float]  # latencies, totals, error codes, elapsed
+Tally = tuple[list[float], dict[str, float], Counter[str], float]  # latencies, totals, error codes, elapsed
 
 
 async def _tally(
@@ -174,7 +176,7 @@ async def _tally(
     """`concurrency` callers for `seconds`, from `start_at` (wall clock, time.time()) if given."""
     rng = random.Random(concurrency * 1000 + per_request + seed * 1_000_003)
     latencies: list[float] = []
-    totals = {"inputs": 0, "tokens": 0, "errors": 0}
+    totals = {"inputs": 0, "tokens": 0, "errors": 0, "cpu_s": 0.0}
     codes: Counter[str] = Counter()
 
     async def worker(client: AsyncEmbeddingClient) -> None:
@@ -198,10 +200,11 @@ async def _tally(
     for client in clients:
         await client.embed(texts[:4])  # connect
     await asyncio.sleep(max(0.0, start_at - time.time()))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     stop_at = started + seconds
     await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
+    totals["cpu_s"] = time.process_time() - cpu_started
     for client in clients:
         await client.close()
     return latencies, totals, codes, elapsed
@@ -238,7 +241,7 @@ async def load_http(
     aiohttp, not httpx: at 64 callers httpx's own CPU (2.3 s per 4 s) held the load to a third."""
     rng = random.Random(concurrency * 1000 + per_request)
     latencies: list[float] = []
-    totals = {"inputs": 0, "tokens": 0, "errors": 0}
+    totals = {"inputs": 0, "tokens": 0, "errors": 0, "cpu_s": 0.0}
     codes: Counter[str] = Counter()
     headers = {"content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -30,3 +31,16 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         todo += children(p)
     return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and every descendant, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total

@@ -275,3 +275,56 @@ def test_a_cased_tokenizer_keeps_its_capitals(encoder_and_checkpoint, tmp_path):
     got = Tokenizer(cased, 256).encode(texts).ids
     assert got == [e.ids for e in library_tokenizer(cased).encode_batch(texts)]
     assert got[0] != got[1]  # case kept: "Hello" and "hello" are not the same ids
+
+
+# Plain ASCII texts skip the library altogether when its pipeline is BERT's ------------------------------
+
+
+def test_ascii_texts_near_and_over_the_token_limit_are_cut_as_the_library_cuts_them(
+    tokenizer, library, encoder_and_checkpoint
+):
+    """Around 254 word pieces (the limit less [CLS] and [SEP]): the ids, the cut and the whole count."""
+    rng = random.Random(1)
+    words = ["the", "cat", ",", "embeddings", "x7q", "unbelievably", "!", "2026"]
+    texts = [" ".join(rng.choices(words, k=k)) for k in range(80, 300, 7)]
+    got = tokenizer.encode(texts)
+    expected = library.encode_batch(texts)
+    assert got.ids == [e.ids for e in expected]
+    assert got.truncated == [bool(e.overflowing) for e in expected]
+    assert any(got.truncated) and not all(got.truncated)
+    unlimited = library_tokenizer(encoder_and_checkpoint[1].directory / "tokenizer.json", 10_000)
+    assert got.original_lengths == [len(e.ids) for e in unlimited.encode_batch(texts)]
+
+
+def test_words_over_the_word_piece_length_limit_are_unknown_as_in_the_library(tokenizer, library):
+    texts = ["a" * 100, "a" * 101, "b" * 100 + " ok " + "c" * 2000, "x9" * 60 + ", then words"]
+    got = tokenizer.encode(texts)
+    assert got.ids == [e.ids for e in library.encode_batch(texts)]
+    assert got.ids[1] == [CLS, 100, SEP]  # [UNK]
+
+
+def test_words_split_into_pieces_are_remembered_within_a_bound(library, encoder_and_checkpoint):
+    """Many distinct out-of-vocabulary words (a hostile stream): the same ids, and the remembered
+    splits stay at their bound."""
+    from minilm_embed.model import tokenizer as module
+
+    fresh = Tokenizer(encoder_and_checkpoint[1].directory / "tokenizer.json", 256)
+    texts = [f"zq{i}xv wq{i * 7}yk" for i in range(module.SPLIT_WORDS_KEPT)]
+    assert fresh.encode(texts).ids == [e.ids for e in library.encode_batch(texts)]
+    assert fresh.encode(texts[:50]).ids == [e.ids for e in library.encode_batch(texts[:50])]
+    assert fresh._words is not None  # BERT's pipeline: the shortcut is in use
+    assert fresh._words._split.cache_info().currsize == module.SPLIT_WORDS_KEPT
+
+
+@pytest.mark.parametrize("pre_tokenizer", [{"type": "WhitespaceSplit"}, {"type": "Whitespace"}])
+def test_a_pre_tokenizer_unlike_berts_gets_the_librarys_ids(encoder_and_checkpoint, tmp_path, pre_tokenizer):
+    """The shortcut splits words as BERT's pre-tokenizer does; a tokenizer.json that splits otherwise
+    gets its own pre-tokenizer's ids (WhitespaceSplit keeps "world!" whole, unlike BERT's)."""
+    source = encoder_and_checkpoint[1].directory / "tokenizer.json"
+    config = json.loads(source.read_text())
+    config["pre_tokenizer"] = pre_tokenizer
+    changed = tmp_path / "tokenizer.json"
+    changed.write_text(json.dumps(config))
+    texts = ["hello world!", "it's a dog-friendly cafe.", "x=1,y=2"]
+    got = Tokenizer(changed, 256).encode(texts).ids
+    assert got == [e.ids for e in library_tokenizer(changed).encode_batch(texts)]
