@@ -34,12 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -318,6 +320,33 @@ def memory_flat(
     }
 
 
+ENGINE_SERIES = ("embed_batch_size_sum", "embed_batch_size_count", "embed_model_run_duration_seconds_sum")
+
+
+def engine_counters(port: int | None) -> dict[str, float]:
+    """The engine's batch counters from /metrics: rows and batches so far, seconds of model runs."""
+    if port is None:
+        return dict.fromkeys(ENGINE_SERIES, 0.0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = dict.fromkeys(ENGINE_SERIES, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return found
+
+
+def engine_figures(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Mean rows a batch, batches a second, and the share of the time a model run was computing."""
+    rows, batches, run_s = (after[k] - before[k] for k in ENGINE_SERIES)
+    return {
+        "mean_batch_rows": rows / batches if batches else 0.0,
+        "batches_per_s": batches / seconds,
+        "model_busy": run_s / seconds,
+    }
+
+
 def served(
     model_dir: Path,
     texts: dict[str, list[str]],
@@ -325,40 +354,49 @@ def served(
     batch_flags: list[str],
     seconds: float,
     load_processes: int,
+    variants: list[str],
+    quick: bool = False,
 ) -> list[dict[str, Any]]:
     # Every level with the last front count; the others get the 256-caller levels on sentences (the
-    # front's hardest case, ~13 tokens a sentence): the front scaling.
+    # front's hardest case, ~13 tokens a sentence): the front scaling. `quick`: the 32-input levels
+    # at 64 and 256 callers only. Each variant (more server flags) runs every front count.
     full = {
         "sentences": [(1, 1), (64, 1), (256, 1), (1, 32), (64, 32), (256, 32)],
         "passages": [(1, 1), (64, 32), (256, 32)],
     }
     scaling = {"sentences": [(256, 1), (256, 32)]}
+    short = {"sentences": [(64, 32), (256, 32)], "passages": [(256, 32)]}
     results = []
-    for n in fronts:
-        plans = full if n == fronts[-1] else scaling
+    for variant, n in ((v, n) for v in variants for n in fronts):
+        plans = short if quick else full if n == fronts[-1] else scaling
         flags = ["--model-dir", str(model_dir), "--device", "cuda", "--front-processes", str(n)]
-        flags += ["--queue-limit", "65536", *batch_flags]
-        server = start_server(*flags, metrics=False).wait_serving()
+        flags += ["--queue-limit", "65536", *batch_flags, *variant.split()]
+        server = start_server(*flags).wait_serving()
         try:
             for name, plan in plans.items():
                 items = texts[name]
                 for concurrency, per_request in plan:
                     processes = 1 if concurrency == 1 else load_processes
                     cpu_before = tree_cpu_seconds(server.proc.pid)
+                    counters = engine_counters(server.metrics_port)
                     row = load_row(server.address, items, concurrency, per_request, seconds, processes)
+                    engine = engine_figures(counters, engine_counters(server.metrics_port), seconds)
                     # Cores busy: the server's (fronts and engine; includes the load's connecting
                     # and the few idle seconds before it starts) and the load generator's.
                     server_cpu = tree_cpu_seconds(server.proc.pid) - cpu_before
                     entry = dict(
                         asdict(row), fronts=n, workload=name, gpu_mib=gpu_memory_mib(server.proc.pid),
                         server_cores=server_cpu / seconds, client_cores=row.client_cpu_s / seconds,
-                        cores=os.cpu_count(),
+                        cores=os.cpu_count(), variant=variant, **engine,
                     )  # fmt: skip
                     results.append(entry)
                     print(
-                        f"  {n} fronts {name} c={concurrency} x{per_request}: {row.tokens_per_s:,.0f} tok/s "
+                        f"  {n} fronts {variant} {name} c={concurrency} x{per_request}: "
+                        f"{row.tokens_per_s:,.0f} tok/s "
                         f"p50 {row.p50_ms:.1f} ms errors {row.errors}; cores busy: server "
-                        f"{entry['server_cores']:.1f}, load {entry['client_cores']:.1f}",
+                        f"{entry['server_cores']:.1f}, load {entry['client_cores']:.1f}; batches "
+                        f"{engine['mean_batch_rows']:.0f} rows, {engine['batches_per_s']:.0f}/s, model busy "
+                        f"{engine['model_busy']:.0%}",
                         file=sys.stderr,
                     )
         finally:
@@ -395,16 +433,18 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "| fronts | workload | conc. | inputs/req | sentences/s | real tokens/s | x ceiling | p50 ms "
-            "| p99 ms | GPU MiB | server cores | load cores | errors |",
+            "| p99 ms | GPU MiB | server cores | load cores | batch rows | model busy | errors |",
         ]
-        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in report["served"]:
             ceiling = report["ceiling"][s["workload"]]
             lines.append(
-                f"| {s['fronts']} | {s['workload']} | {s['concurrency']} | {s['inputs_per_request']} | "
+                f"| {s['fronts']} {s.get('variant', '')} | {s['workload']} | {s['concurrency']} | "
+                f"{s['inputs_per_request']} | "
                 f"{s['sentences_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
                 f"{s['tokens_per_s'] / ceiling:.2f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | "
                 f"{s['gpu_mib']:.0f} | {s.get('server_cores', 0):.1f} | {s.get('client_cores', 0):.1f} | "
+                f"{s.get('mean_batch_rows', 0):.0f} | {s.get('model_busy', 0):.0%} | "
                 f"{s['errors']} {s['error_codes']} |"
             )
     return "\n".join(lines)
@@ -420,7 +460,13 @@ def main() -> int:
     p.add_argument("--fronts", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 8])
     p.add_argument("--load-processes", type=int, default=4)
     p.add_argument(
-        "--skip", default="", help="comma-separated parts to skip: st, attention, profile, memory, served"
+        "--server-variants",
+        default="",
+        help="served: more server flags for each variant, ';'-separated: '--model-instances 2;'",
+    )
+    p.add_argument("--quick-served", action="store_true", help="served: the 32-input levels only")
+    p.add_argument(
+        "--skip", default="", help="parts to skip, comma-separated: fp32 st attention profile memory served"
     )
     args = p.parse_args()
     skip = set(args.skip.split(","))
@@ -457,7 +503,7 @@ def main() -> int:
     rates: list[Rate] = []
     # ONNX Runtime first, in a process without torch: on the H100 the served 32-passage level beat
     # the in-process best, measured after the peer (torch) had run in this process (README, "GPU").
-    fp32 = backend_rates(cuda_backend(args.model_dir, "fp32"), rows, args.repeats)
+    fp32 = [] if "fp32" in skip else backend_rates(cuda_backend(args.model_dir, "fp32"), rows, args.repeats)
     backend16 = cuda_backend(args.model_dir, "fp16")
     fp16 = backend_rates(backend16, rows, args.repeats)
     rates += fp32 + fp16
@@ -493,8 +539,9 @@ def main() -> int:
         batch_flags = ["--max-batch-size", str(b), "--max-batch-tokens", str(max(256, b * 128))]
         report["served_flags"] = batch_flags
         report["served"] = served(
-            args.model_dir, texts, args.fronts, batch_flags, args.seconds, args.load_processes
-        )
+            args.model_dir, texts, args.fronts, batch_flags, args.seconds, args.load_processes,
+            args.server_variants.split(";"), args.quick_served,
+        )  # fmt: skip
         save()
     print(markdown(report))
     return 0

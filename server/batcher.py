@@ -49,6 +49,12 @@ class BatchLimits:
     max_padding: float = 1.0
     window: int = 256  # how far into the queue a batch may look for inputs of similar length
 
+    @property
+    def lookahead(self) -> int:
+        """The window in force: never fewer inputs than a batch may hold (a window of 256 kept
+        CUDA's 1,024-row batches to 256 rows)."""
+        return max(self.window, self.max_batch_size)
+
 
 def check_capacity(waiting: int, count: int, queue_limit: int) -> None:
     """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival)."""
@@ -121,15 +127,16 @@ class Request:
         if not self.future.done():
             self.future.set_exception(error)
 
-    def fill(self, index: int, embedding: np.ndarray, pooled: np.ndarray, started: float) -> bool:
-        """Store input `index`'s vectors; True when that completed the request."""
+    def fill(self, indices: list[int], embeddings: np.ndarray, pooled: np.ndarray, started: float) -> bool:
+        """Store the vectors of inputs `indices` (rows of `embeddings` and `pooled`, in that order);
+        True when that completed the request."""
         if self.embeddings is None or self.pooled is None:
-            self.embeddings = np.empty((len(self.rows), embedding.size), dtype=np.float32)
+            self.embeddings = np.empty((len(self.rows), embeddings.shape[1]), dtype=np.float32)
             self.pooled = np.empty_like(self.embeddings)
-        self.embeddings[index] = embedding
-        self.pooled[index] = pooled
+        self.embeddings[indices] = embeddings
+        self.pooled[indices] = pooled
         self.queue_s = max(self.queue_s, started - self.enqueued)
-        self.remaining -= 1
+        self.remaining -= len(indices)
         if self.remaining == 0 and not self.future.done():
             assert self.pooled is not None
             self.future.set_result(Done(self.embeddings, self.pooled, self.queue_s, running_time(self.spans)))
@@ -190,13 +197,31 @@ def choose_batch(
     return sorted(order[lo : hi + 1])
 
 
+def runs(batch: list[Entry]) -> list[tuple[Request, int, int]]:
+    """The batch as runs of one request's inputs that follow one another there and in the batch:
+    (request, its first input, how many). A request's inputs sit together in the queue, so a batch
+    of 1,024 sentences from 32-sentence requests is ~32 runs: the per-batch work is per run."""
+    found: list[tuple[Request, int, int]] = []
+    for request, i in batch:
+        if found:
+            last, first, count = found[-1]
+            if last is request and first + count == i:
+                found[-1] = (last, first, count + 1)
+                continue
+        found.append((request, i, 1))
+    return found
+
+
 def pad(batch: list[Entry], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """The batch as ((B, T) int64 ids padded to the longest row, (B,) int64 lengths)."""
     lengths = np.fromiter((r.sizes[i] for r, i in batch), dtype=np.int64, count=len(batch))
     ids = np.full((len(batch), int(lengths.max())), pad_id, dtype=np.int64)
-    for row, (request, i) in enumerate(batch):
-        start, length = request.starts[i], request.sizes[i]
-        ids[row, :length] = request.rows.ids[start : start + length]
+    pieces = []
+    for request, first, count in runs(batch):
+        end = first + count - 1
+        pieces.append(request.rows.ids[request.starts[first] : request.starts[end] + request.sizes[end]])
+    # Row-major, the real positions of the padded array are the ids one after another.
+    ids[np.arange(ids.shape[1]) < lengths[:, None]] = np.concatenate(pieces)
     return ids, lengths
 
 
@@ -373,7 +398,7 @@ class Batcher:
         Each request in the window is checked once, not once per input.
         """
         now = time.monotonic()
-        size = min(self.limits.window, len(self._queue))
+        size = min(self.limits.lookahead, len(self._queue))
         head = self._queue[:size]
         requests = dict.fromkeys(map(operator.itemgetter(0), head))
         dead = {r: why for r in requests if (why := self._drop_reason(r, now))}
@@ -460,16 +485,24 @@ class Batcher:
     def _resolve(
         self, batch: list[Entry], normalised: np.ndarray, pooled: np.ndarray, started: float, run_s: float
     ) -> None:
-        finite = np.isfinite(normalised).all(axis=1).tolist()
+        finite = np.isfinite(normalised).all(axis=1)
         span = (started, started + run_s)
-        for row, (request, i) in enumerate(batch):
+        # Each request's rows of this batch, in batch order: one copy per request, not per input.
+        mine: dict[Request, tuple[list[int], list[int]]] = {}
+        row = 0
+        for request, first, count in runs(batch):
+            indices, rows = mine.setdefault(request, ([], []))
+            indices.extend(range(first, first + count))
+            rows.extend(range(row, row + count))
+            row += count
+        for request, (indices, rows) in mine.items():
             if request.abandoned:
                 continue
-            if not finite[row]:
+            if not finite[rows].all():
                 self._fail(request, BackendFailure("the model produced a non-finite vector for this input"))
                 continue
             request.spans.append(span)
-            if request.fill(i, normalised[row], pooled[row], started):
+            if request.fill(indices, normalised[rows], pooled[rows], started):
                 self.metrics.queue_wait.observe(request.queue_s)
 
     def _observe(self, batch: list[Entry], padded: int, real: int, started: float, run_s: float) -> None:

@@ -86,7 +86,8 @@ def test_every_instance_uses_one_mapping_of_the_shared_word_embedding_table(repo
     it maps nothing: the one mapping is the backend's, whatever the instance count."""
     [shared] = repo.manifest.shared_tensors
     path = repo.path(shared).resolve()
-    before = mappings_of(path)  # other tests' sessions (e.g. the reference's) may hold some
+    gc.collect()  # sessions other tests left for the collector would drop their mappings mid-test
+    before = mappings_of(path)  # other tests' live sessions (e.g. the reference's) may hold some
     plain = [cpu_session(repo.path(repo.graph_for(CPU, "fp32")), threads=1) for _ in range(2)]
     assert mappings_of(path) == before + 2  # what a session per instance costs without sharing
     del plain

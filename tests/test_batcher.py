@@ -534,3 +534,63 @@ def test_batcher_keeps_serving_after_a_request_with_several_failing_rows():
     assert isinstance(failed, BackendFailure)
     assert first_ids(after) == [2]
     assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_batches_drawn_across_several_requests_carry_each_inputs_own_ids():
+    """Similar lengths drawn from interleaved requests: a batch holds runs of several requests'
+    inputs, not all consecutive; every padded row is its own input's ids and every answer its own."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, max_batch_tokens=1000, max_batch_size=6)
+    lengths = [[3, 9, 3, 3, 9, 2], [9, 3, 2, 9, 3, 3, 9], [2, 2, 9, 3]]
+    requests = [
+        [[100 * (r + 1) + i] + [100 * (r + 1) + i] * (n - 1) for i, n in enumerate(row)]
+        for r, row in enumerate(lengths)
+    ]
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[1, 1]]))  # holds the model while the rest queue
+            await wait_until(lambda: len(model.batches) == 1)
+            answers = [asyncio.create_task(submit(batcher, rows)) for rows in requests]
+            await asyncio.sleep(0.01)
+            model.gate.set()
+            await first
+            return await asyncio.gather(*answers)
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    for rows, done in zip(requests, results, strict=True):
+        assert first_ids(done) == [row[0] for row in rows]
+        assert [int(v) for v in done.embeddings[:, 1]] == [len(row) for row in rows]
+    source = {row[0]: row for rows in requests for row in rows}
+    for ids, sizes in model.batches[1:]:
+        for padded, size in zip(ids.tolist(), sizes.tolist(), strict=True):
+            assert padded[:size] == source[padded[0]] and set(padded[size:]) <= {PAD}
+    mixed = [b for b in model.batches[1:] if len({i // 100 for i in b[0][:, 0].tolist()}) > 1]
+    assert mixed, "no batch mixed requests: the scenario does not exercise runs across requests"
+
+
+def test_a_batch_may_hold_more_inputs_than_the_window_when_the_batch_size_allows():
+    """The window never holds fewer inputs than a batch may (CUDA batches of 1,024 were held to the
+    window's 256)."""
+    model = FakeModel(blocked=True)
+    limits = BatchLimits(1000, 8, 0.0, 64, window=4)
+    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[1, 1]]))
+            await wait_until(lambda: len(model.batches) == 1)
+            rest = asyncio.create_task(submit(batcher, [[10 + i, 5] for i in range(8)]))
+            await asyncio.sleep(0.01)
+            model.gate.set()
+            await first
+            return await rest
+        finally:
+            await batcher.stop()
+
+    assert first_ids(run(scenario)) == list(range(10, 18))
+    assert [len(ids) for ids, _ in model.batches] == [1, 8]
