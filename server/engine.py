@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -26,7 +27,7 @@ import zmq
 from minilm_embed.model.repository import CUDA_PROVIDER
 from minilm_embed.server import logs, protocol
 from minilm_embed.server.backend import ModelRepository, OnnxBackend, bucket_warm_shapes, open_repository
-from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows
+from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows, RunFn
 from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.errors import ServiceError
 from minilm_embed.server.metrics import Metrics
@@ -47,6 +48,10 @@ class Backend(Protocol):
     load_seconds: float
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def instance(self) -> AbstractContextManager[RunFn]:
+        """One model instance held for a block, its `run` given (the warm-up's, one per instance)."""
+        ...
 
 
 BackendFactory = Callable[[ServerConfig, ModelRepository], Backend]
@@ -90,9 +95,10 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
             shapes += [(batch, length) for batch in sorted({1, rows})]
 
     def one_instance() -> None:
-        for batch, length in shapes:
-            ids = np.full((batch, length), 1000, dtype=np.int64)
-            backend.run(ids, np.full(batch, length, dtype=np.int64))
+        with backend.instance() as run:  # held throughout: each thread warms an instance of its own
+            for batch, length in shapes:
+                ids = np.full((batch, length), 1000, dtype=np.int64)
+                run(ids, np.full(batch, length, dtype=np.int64))
 
     # Submitted together to an idle pool of `instances` threads: one call on each thread.
     for done in [pool.submit(one_instance) for _ in range(backend.instances)]:

@@ -12,15 +12,19 @@ once, without waiting for company).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.server.__main__ import main
 from minilm_embed.server.backend import ModelRepository
+from minilm_embed.server.batcher import RunFn
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.engine import Backend, onnx_backend
 
@@ -43,6 +47,10 @@ class InstantBackend:
         vectors = np.zeros((ids.shape[0], self.dimensions), dtype=np.float32)
         vectors[:, 0] = 1.0
         return vectors, vectors
+
+    @contextlib.contextmanager
+    def instance(self) -> Iterator[RunFn]:
+        yield self.run
 
 
 HOLD_TEXT = "this exact text holds its batch for a few seconds"
@@ -71,6 +79,9 @@ class FaultyBackend:
         if _holds(ids, lengths, self.hold_ids):
             time.sleep(HOLD_S)
         return self.real.run(ids, lengths)
+
+    def instance(self) -> AbstractContextManager[RunFn]:
+        return self.real.instance()  # the warm-up: no faults to inject there
 
 
 def faulty_backend(fault_text: str, config: ServerConfig, repo: ModelRepository) -> Backend:
