@@ -101,8 +101,8 @@ def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, mess
     ("rows", "tokens", "provider", "resolved"),
     [
         (0, 0, "CPUExecutionProvider", (32, 1024)),
-        (0, 0, "CUDAExecutionProvider", (256, 32768)),
-        (8, 0, "CUDAExecutionProvider", (8, 32768)),
+        (0, 0, "CUDAExecutionProvider", (1024, 131072)),
+        (8, 0, "CUDAExecutionProvider", (8, 131072)),
         (0, 512, "CPUExecutionProvider", (32, 512)),
         (64, 4096, "CUDAExecutionProvider", (64, 4096)),
     ],
