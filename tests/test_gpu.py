@@ -5,6 +5,7 @@ Where CUDA is absent, `--device cuda` must exit 2 with one line: that test runs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -125,13 +126,16 @@ def test_gpu_memory_stays_flat_over_random_batch_shapes(repo):
             ids = rng.integers(1000, 30000, (rows, int(lengths.max())))
             backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
-    # Every bucket at its largest shape first (8 row counts x 7 lengths), as a warmed server has met
-    # them: with random batches alone, a rarer large shape stepped the fused graph's memory up
-    # 114 MiB at batch 6,750; after this warm-up, 7,750 random batches moved it 2 MiB (H100).
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
-        for length in SEQUENCE_BUCKETS:
-            ids = rng.integers(1000, 30000, (rows, length))
-            backend.run(ids.astype(np.int64), np.full(rows, length, np.int64))
+    # Every bucket at its largest shape first (8 row counts x 7 lengths) on every instance (CUDA's
+    # auto is two), as a warmed server has met them: with random batches alone, a rarer large shape
+    # stepped the fused graph's memory up 114 MiB at batch 6,750; after this warm-up, 7,750 random
+    # batches moved it 2 MiB (H100, one instance; two not yet run on a GPU).
+    with contextlib.ExitStack() as held:
+        for run in [held.enter_context(backend.instance()) for _ in range(backend.instances)]:
+            for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+                for length in SEQUENCE_BUCKETS:
+                    ids = rng.integers(1000, 30000, (rows, length))
+                    run(ids.astype(np.int64), np.full(rows, length, np.int64))
     before = gpu_memory_mib(os.getpid())
     batches(2000)
     after = gpu_memory_mib(os.getpid())
