@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import multiprocessing
 import random
@@ -90,6 +92,7 @@ class Row:
     error_codes: str = ""
     runs: list[float] | None = None  # tokens/s of every repeat; the row is the best one
     client_cpu_s: float = 0.0  # the load generator's own CPU time while it ran (every process)
+    start_spread_s: float = 0.0  # between the first and the last load process starting their callers
 
 
 def sentences(data_dir: Path | None) -> list[str]:
@@ -171,9 +174,8 @@ async def _tally(
     per_request: int,
     seconds: float,
     seed: int = 0,
-    start_at: float = 0.0,
 ) -> Tally:
-    """`concurrency` callers for `seconds`, from `start_at` (wall clock, time.time()) if given."""
+    """`concurrency` callers for `seconds`; in a load process, from when every process is ready."""
     rng = random.Random(concurrency * 1000 + per_request + seed * 1_000_003)
     latencies: list[float] = []
     totals = {"inputs": 0, "tokens": 0, "errors": 0, "cpu_s": 0.0}
@@ -199,18 +201,34 @@ async def _tally(
     clients = [AsyncEmbeddingClient(address, timeout=60, security=OwnConnection()) for _ in range(count)]
     for client in clients:
         await client.embed(texts[:4])  # connect
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    started, cpu_started = time.perf_counter(), time.process_time()
+    if _TOGETHER is not None:
+        await asyncio.to_thread(_wait_for_the_others, _TOGETHER)
+    started, cpu_started, totals["start"] = time.perf_counter(), time.process_time(), time.time()
     stop_at = started + seconds
     await asyncio.gather(*(worker(clients[i % len(clients)]) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
-    totals["cpu_s"] = time.process_time() - cpu_started
+    totals["cpu_s"], totals["end"] = time.process_time() - cpu_started, time.time()
     for client in clients:
         await client.close()
     return latencies, totals, codes, elapsed
 
 
-def _tally_in_process(args: tuple[str, list[str], int, int, float, int, float]) -> Tally:
+# In a load process: the barrier every load process waits at, connected, before its callers start.
+_TOGETHER: Any = None
+
+
+def _join(together: Any) -> None:
+    global _TOGETHER
+    _TOGETHER = together
+
+
+def _wait_for_the_others(together: Any) -> None:
+    # One that never comes breaks the barrier after 120 s: start anyway; start_spread_s shows it.
+    with contextlib.suppress(threading.BrokenBarrierError):
+        together.wait(120)
+
+
+def _tally_in_process(args: tuple[str, list[str], int, int, float, int]) -> Tally:
     return asyncio.run(_tally(*args))
 
 
@@ -222,16 +240,25 @@ def load_row(
     processes = min(processes, concurrency)
     if processes == 1:
         return asyncio.run(load(address, texts, concurrency, per_request, seconds))
-    start_at = time.time() + 5  # after every process has started and connected
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    jobs = [(address, texts, n, per_request, seconds, i, start_at) for i, n in enumerate(shares)]
+    jobs = [(address, texts, n, per_request, seconds, i) for i, n in enumerate(shares)]
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+    # Started together at a barrier, once all have imported and connected: a fixed head start of 5 s
+    # was too short where a process imports torch (bench_gpu's), and the processes' windows then
+    # lay staggered across up to twice `seconds` while their tokens were divided by one window (one
+    # CUDA model instance "computed" 4.35 s in a 3 s level on an H100).
+    together = context.Barrier(processes)
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_join, initargs=(together,)) as pool:
         parts = list(pool.map(_tally_in_process, jobs))
+    starts = [part[1].pop("start") for part in parts]
+    ends = [part[1].pop("end") for part in parts]
     latencies = [x for part in parts for x in part[0]]
     totals = {key: sum(part[1][key] for part in parts) for key in parts[0][1]}
     codes = sum((part[2] for part in parts), Counter[str]())
-    return measured_row(concurrency, per_request, latencies, totals, codes, max(p[3] for p in parts))
+    # Over the span from the first start to the last end: exact when they ran together, and never
+    # more than what was served in that span when they did not.
+    row = measured_row(concurrency, per_request, latencies, totals, codes, max(ends) - min(starts))
+    return dataclasses.replace(row, start_spread_s=max(starts) - min(starts))
 
 
 async def load_http(
