@@ -421,7 +421,7 @@ def served(
                         f"p50 {row.p50_ms:.1f} ms errors {row.errors}; cores busy: server "
                         f"{entry['server_cores']:.1f}, load {entry['client_cores']:.1f}; batches "
                         f"{engine['mean_batch_rows']:.0f} rows, {engine['batches_per_s']:.0f}/s, model busy "
-                        f"{engine['model_busy']:.0%}; load processes started within {row.start_spread_s:.3f} s",
+                        f"{engine['model_busy']:.0%}; load started within {row.start_spread_s:.3f} s",
                         file=sys.stderr,
                     )
         finally:
