@@ -101,16 +101,16 @@ def plan_instances(provider: str, instances: int, threads: int, cores: int) -> t
 
     Auto on the CPU provider: two instances splitting the cores (on 2 cores, one thread each ran
     6-40% faster than one instance with two threads, and is not stalled when the event loop takes
-    a core), or as many as fit the cores at the threads asked for. On CUDA: two instances, so one
-    batch's host-side work (padding, copies, answering) overlaps the other's GPU run: served on an
-    H100 at 256 callers, 1.30x one instance's rate on 32-sentence requests and 1.51x on 32-passage
-    ones (README, "GPU").
+    a core), or as many as fit the cores at the threads asked for. On CUDA: one instance. A second
+    overlaps one batch's host-side work with the other's GPU run, but on an H100 the GPU got through
+    the same rows per second either way (~85k sentences/s in served batches; README, "GPU"), and it
+    doubles the GPU memory.
     """
     if instances < 0 or threads < 0:
         raise ValueError(f"instances and threads must be 0 (auto) or more, not {instances} and {threads}")
     if instances == 0:
         fit = cores if threads == 0 else max(1, cores // threads)
-        instances = 2 if provider == CUDA_PROVIDER else min(2, fit)
+        instances = 1 if provider == CUDA_PROVIDER else min(2, fit)
     threads = threads or max(1, cores // instances)
     return instances, threads
 

@@ -165,9 +165,9 @@ class ServerConfig:
 
 
 # The batch limits `0` (auto) stands for, by execution provider (rows, padded tokens): on the CPU
-# 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H100's served
-# best with two instances, 1,024 rows against 512 and 256 (README, "GPU"; the H200's sweep had found
-# no gain past 256 rows while a batch's window held it to 256).
+# 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H100's in-process
+# best batch, 1,024 rows (README, "GPU"; the H200's served sweep had found no gain past 256 rows
+# while a batch's window held every batch to 256).
 AUTO_BATCH_LIMITS = {CPU_PROVIDER: (32, 1024), CUDA_PROVIDER: (1024, 131072)}
 
 

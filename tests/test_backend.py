@@ -36,7 +36,7 @@ from minilm_embed.server.engine import warm_up
         (CPU, 0, 0, 2, (2, 1)),  # auto on 2 cores: two one-thread instances
         (CPU, 0, 0, 16, (2, 8)),
         (CPU, 0, 0, 1, (1, 1)),
-        (CUDA, 0, 0, 16, (2, 8)),  # two on the GPU: one's host-side work overlaps the other's run
+        (CUDA, 0, 0, 16, (1, 16)),  # one instance on the GPU
         (CPU, 3, 0, 12, (3, 4)),  # threads split the cores between the instances asked for
         (CPU, 4, 0, 2, (4, 1)),  # never fewer than one thread
         (CPU, 1, 2, 16, (1, 2)),  # both given: taken as they are
