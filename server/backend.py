@@ -103,8 +103,8 @@ def plan_instances(provider: str, instances: int, threads: int, cores: int) -> t
     6-40% faster than one instance with two threads, and is not stalled when the event loop takes
     a core), or as many as fit the cores at the threads asked for. On CUDA: one instance. A second
     overlaps one batch's host-side work with the other's GPU run, but on an H100 the GPU got through
-    the same rows per second either way (~85k sentences/s in served batches; README, "GPU"), and it
-    doubles the GPU memory.
+    about the same rows per second either way (87k and 91k served sentences/s; README, "GPU"), and
+    it doubles the GPU memory.
     """
     if instances < 0 or threads < 0:
         raise ValueError(f"instances and threads must be 0 (auto) or more, not {instances} and {threads}")
