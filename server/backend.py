@@ -206,18 +206,24 @@ def _run_on(
     return run_graph(session, ids, lengths)
 
 
-# Token positions a CUDA batch is padded up to, and its rows up to the next power of two: ORT then
-# sees at most 7 x 9 shapes (rows 1..256), each with device buffers made once and reused. GPU memory
-# stayed at 5,092 MiB over 10,000 random batches on an H200 (README, "GPU"). Padded positions and
-# rows (length 0) are masked in the graph and cost attention only, which is large on the GPU: this
-# path ran 11% below plain `session.run` on exact shapes there; finer buckets are the next thing to
-# measure.
+# Token positions a CUDA batch is padded up to, and its rows up to the next power of two up to
+# ROW_STEP, then to the next multiple of ROW_STEP: ORT then sees at most 7 x 22 shapes (rows
+# 1..1,024), each with device buffers made once and reused. GPU memory stayed at 5,092 MiB over
+# 10,000 random batches on an H200 (README, "GPU"). Padded positions and rows (length 0) are masked
+# in the graph and cost attention only, which was 69-82% of the H100's time: served batches of
+# ~450-520 rows ran as 512 or 1,024 rows when rows went to the next power of two throughout
+# (ROW_STEP 0, as until 2026-11-27); at 64, 523 rows run as 576. Not yet measured on a GPU
+# (bench_gpu.py's `buckets` part compares the two).
 SEQUENCE_BUCKETS = (16, 32, 64, 96, 128, 192, 256)
+ROW_STEP = 64
 
 
-def bucket(rows: int, positions: int) -> tuple[int, int]:
+def bucket(rows: int, positions: int, row_step: int = ROW_STEP) -> tuple[int, int]:
     """The (rows, positions) shape a (rows, positions) batch is run at on CUDA."""
-    padded_rows = 1 << max(0, rows - 1).bit_length()
+    if row_step == 0 or rows <= row_step:
+        padded_rows = 1 << max(0, rows - 1).bit_length()
+    else:
+        padded_rows = -(-rows // row_step) * row_step
     padded = next((b for b in SEQUENCE_BUCKETS if b >= positions), positions)
     return padded_rows, padded
 
@@ -278,14 +284,17 @@ class BoundSession:
     """A CUDA session run through I/O binding, with one `BoundShape` per bucket met so far (`device`
     "cpu" runs the same code on a CPU session, for the tests of machines without a GPU)."""
 
-    def __init__(self, session: ort.InferenceSession, dims: int, device: str = "cuda") -> None:
+    def __init__(
+        self, session: ort.InferenceSession, dims: int, device: str = "cuda", row_step: int = ROW_STEP
+    ) -> None:
         self.session = session
         self.dims = dims
         self.device = device
+        self.row_step = row_step  # bucket()'s; other than ROW_STEP only to compare (bench_gpu.py)
         self.shapes: dict[tuple[int, int], BoundShape] = {}
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = bucket(*ids.shape)
+        key = bucket(*ids.shape, self.row_step)
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = BoundShape(self.session, *key, self.dims, self.device)

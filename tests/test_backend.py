@@ -130,10 +130,28 @@ def test_concurrent_runs_each_get_their_own_batch_answer(repo, threads):
 
 @pytest.mark.parametrize(
     ("rows", "positions", "bucketed"),
-    [(1, 1, (1, 16)), (3, 17, (4, 32)), (33, 100, (64, 128)), (256, 256, (256, 256)), (5, 129, (8, 192))],
+    [
+        (1, 1, (1, 16)),
+        (3, 17, (4, 32)),
+        (33, 100, (64, 128)),
+        (64, 16, (64, 16)),
+        (65, 16, (128, 16)),  # past 64 rows, multiples of 64
+        (129, 16, (192, 16)),
+        (523, 30, (576, 32)),  # a served batch: 1,024 rows as powers of two
+        (256, 256, (256, 256)),
+        (5, 129, (8, 192)),
+    ],
 )
 def test_cuda_batches_are_padded_up_to_few_shapes(rows, positions, bucketed):
     assert bucket(rows, positions) == bucketed
+
+
+def test_rows_go_to_powers_of_two_throughout_with_no_row_step():
+    assert [bucket(r, 16, row_step=0)[0] for r in (65, 129, 523, 1000)] == [128, 256, 1024, 1024]
+
+
+def test_a_batch_size_limit_reaches_few_row_buckets():
+    assert len({bucket(r, 16)[0] for r in range(1, 1025)}) == 7 + 15  # 1..64 by powers, then by 64s
 
 
 @pytest.mark.parametrize(
