@@ -294,7 +294,8 @@ class BoundSession:
         self.shapes: dict[tuple[int, int], BoundShape] = {}
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        key = bucket(*ids.shape, self.row_step)
+        rows, positions = ids.shape
+        key = bucket(rows, positions, self.row_step)
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = BoundShape(self.session, *key, self.dims, self.device)
