@@ -56,7 +56,14 @@ from minilm_embed.model.data import read_sts, sts_path
 from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, FP32_FILE, open_repository
 from minilm_embed.model.runtime import new_session, run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
-from minilm_embed.server.backend import ROW_STEP, BoundSession, OnnxBackend, bucket, bucket_warm_shapes
+from minilm_embed.server.backend import (
+    ROW_STEP,
+    SEQUENCE_BUCKETS,
+    BoundSession,
+    OnnxBackend,
+    bucket,
+    bucket_warm_shapes,
+)
 from tests.gpu_memory import gpu_memory_mib
 from tests.proc_tree import tree_cpu_seconds
 from tests.server_process import start_server
@@ -193,13 +200,22 @@ def plain_run_rate(path: Path, rows: list[list[int]], batch: int, workload: str,
     )
 
 
-def row_bucket_rates(
+# The bucket settings bench_gpu's `buckets` part compares: (label, row step, position buckets).
+FINER_LENGTHS = (16, 24, 32, 48, 64, 96, 128, 192, 256)
+BUCKET_SETUPS = (
+    ("rows to powers of two (until 2026-11-27)", 0, SEQUENCE_BUCKETS),
+    (f"rows to multiples of {ROW_STEP} past it (shipped)", ROW_STEP, SEQUENCE_BUCKETS),
+    ("the same, positions also at 24 and 48", ROW_STEP, FINER_LENGTHS),
+)
+
+
+def bucket_rates(
     path: Path, dims: int, work: dict[str, list[list[int]]], repeats: int, device: str = "cuda"
 ) -> list[Rate]:
-    """Served-like batches through the bound path with rows padded to powers of two throughout (row
-    step 0, as until 2026-11-27) and to multiples of ROW_STEP past it, taking turns. A served batch is
-    ~250-1,000 rows of similar lengths (chosen by length from the queue's window): here 24 runs of
-    length-sorted rows, 257-1,000 each, at random places. The two must give the same vectors."""
+    """Served-like batches through the bound path at each of BUCKET_SETUPS, taking turns. A served
+    batch is ~250-1,000 rows of similar lengths (chosen by length from the queue's window): here 24
+    runs of length-sorted rows, 257-1,000 each, at random places. Every setup must give the first
+    one's vectors."""
     provider = CUDA_PROVIDER if device == "cuda" else "CPUExecutionProvider"  # "cpu": a smoke test
     session = new_session(path, [provider], 0, (), serving=True)
     rng = np.random.default_rng(0)
@@ -211,25 +227,22 @@ def row_bucket_rates(
             batches.append(pad_batch(rows[start : start + size]))
         tokens = sum(int(lengths.sum()) for _, lengths in batches)
         count = sum(len(lengths) for _, lengths in batches)
-        bound = {step: BoundSession(session, dims, device, row_step=step) for step in (0, ROW_STEP)}
-        first = [bound[0].run(ids, lengths)[0].copy() for ids, lengths in batches]
-        finer = [bound[ROW_STEP].run(ids, lengths)[0].copy() for ids, lengths in batches]
-        least = min(float(np.min(np.sum(a * b, axis=1))) for a, b in zip(first, finer, strict=True))
-        assert least >= 0.9999, f"row buckets changed the vectors: min cosine {least}"
-        best = {step: math.inf for step in bound}
+        bound = [BoundSession(session, dims, device, step, lengths) for _, step, lengths in BUCKET_SETUPS]
+        vectors = [[b.run(ids, lengths)[0].copy() for ids, lengths in batches] for b in bound]
+        for label, got in zip([s[0] for s in BUCKET_SETUPS[1:]], vectors[1:], strict=True):
+            least = min(float(np.min(np.sum(a * g, axis=1))) for a, g in zip(vectors[0], got, strict=True))
+            assert least >= 0.9999, f"{label}: other vectors, min cosine {least}"
+        best = [math.inf] * len(bound)
         for _ in range(2):  # taking turns
-            for step, session_bound in bound.items():
+            for k, session_bound in enumerate(bound):
 
                 def run(b: BoundSession = session_bound, work: list[Any] = batches) -> None:
                     for ids, lengths in work:
                         b.run(ids, lengths)
 
-                best[step] = min(best[step], timed(run, repeats))
-        for step, seconds in best.items():
-            setup = (
-                f"ORT fp16, bound path, rows to {'powers of two' if step == 0 else f'multiples of {step}'}"
-            )
-            rates.append(Rate(setup, name, 0, count / seconds, tokens / seconds))
+                best[k] = min(best[k], timed(run, repeats))
+        for (label, _, _), seconds in zip(BUCKET_SETUPS, best, strict=True):
+            rates.append(Rate(f"ORT fp16, bound path, {label}", name, 0, count / seconds, tokens / seconds))
             print(f"  {rates[-1]}", file=sys.stderr)
     return rates
 
@@ -583,7 +596,7 @@ def main() -> int:
         plain_run_rate(args.model_dir / FP16_FILE, rows[w], b.batch, w, args.repeats) for w, b in best.items()
     ]
     if "buckets" not in skip:
-        rates += row_bucket_rates(args.model_dir / FP16_FILE, repo.dimensions, rows, args.repeats)
+        rates += bucket_rates(args.model_dir / FP16_FILE, repo.dimensions, rows, args.repeats)
     pair = cuda_backend(args.model_dir, "fp16", instances=2)
     together = {w: concurrent_rate(pair, rows[w], b.batch, w, args.repeats) for w, b in best.items()}
     rates += together.values()

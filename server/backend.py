@@ -218,13 +218,15 @@ SEQUENCE_BUCKETS = (16, 32, 64, 96, 128, 192, 256)
 ROW_STEP = 64
 
 
-def bucket(rows: int, positions: int, row_step: int = ROW_STEP) -> tuple[int, int]:
+def bucket(
+    rows: int, positions: int, row_step: int = ROW_STEP, lengths: tuple[int, ...] = SEQUENCE_BUCKETS
+) -> tuple[int, int]:
     """The (rows, positions) shape a (rows, positions) batch is run at on CUDA."""
     if row_step == 0 or rows <= row_step:
         padded_rows = 1 << max(0, rows - 1).bit_length()
     else:
         padded_rows = -(-rows // row_step) * row_step
-    padded = next((b for b in SEQUENCE_BUCKETS if b >= positions), positions)
+    padded = next((b for b in lengths if b >= positions), positions)
     return padded_rows, padded
 
 
@@ -285,17 +287,23 @@ class BoundSession:
     "cpu" runs the same code on a CPU session, for the tests of machines without a GPU)."""
 
     def __init__(
-        self, session: ort.InferenceSession, dims: int, device: str = "cuda", row_step: int = ROW_STEP
+        self,
+        session: ort.InferenceSession,
+        dims: int,
+        device: str = "cuda",
+        row_step: int = ROW_STEP,
+        lengths: tuple[int, ...] = SEQUENCE_BUCKETS,
     ) -> None:
         self.session = session
         self.dims = dims
         self.device = device
-        self.row_step = row_step  # bucket()'s; other than ROW_STEP only to compare (bench_gpu.py)
+        # bucket()'s settings; other than the defaults only to compare them (bench_gpu.py)
+        self.row_step, self.lengths = row_step, lengths
         self.shapes: dict[tuple[int, int], BoundShape] = {}
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows, positions = ids.shape
-        key = bucket(rows, positions, self.row_step)
+        key = bucket(rows, positions, self.row_step, self.lengths)
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = BoundShape(self.session, *key, self.dims, self.device)
