@@ -140,8 +140,8 @@ def concurrent_rate(
     backend: OnnxBackend, rows: list[list[int]], batch: int, workload: str, repeats: int
 ) -> Rate:
     """The server backend with every instance computing at once (one thread each, batches dealt
-    round), as the engine runs them: one session alone left the GPU idle between its runs (served
-    32-passage requests beat the one-session rate 1.68x with two instances on an H100)."""
+    round), as the engine runs them: whether two sessions get more from the GPU than one (the
+    served figures could not tell, their load windows staggered; README, "GPU")."""
     batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
     shares = [batches[k :: backend.instances] for k in range(backend.instances)]
 
@@ -227,7 +227,7 @@ def bucket_rates(
             batches.append(pad_batch(rows[start : start + size]))
         tokens = sum(int(lengths.sum()) for _, lengths in batches)
         count = sum(len(lengths) for _, lengths in batches)
-        bound = [BoundSession(session, dims, device, step, lengths) for _, step, lengths in BUCKET_SETUPS]
+        bound = [BoundSession(session, dims, device, step, buckets) for _, step, buckets in BUCKET_SETUPS]
         vectors = [[b.run(ids, lengths)[0].copy() for ids, lengths in batches] for b in bound]
         for label, got in zip([s[0] for s in BUCKET_SETUPS[1:]], vectors[1:], strict=True):
             least = min(float(np.min(np.sum(a * g, axis=1))) for a, g in zip(vectors[0], got, strict=True))
@@ -236,8 +236,8 @@ def bucket_rates(
         for _ in range(2):  # taking turns
             for k, session_bound in enumerate(bound):
 
-                def run(b: BoundSession = session_bound, work: list[Any] = batches) -> None:
-                    for ids, lengths in work:
+                def run(b: BoundSession = session_bound, todo: list[Any] = batches) -> None:
+                    for ids, lengths in todo:
                         b.run(ids, lengths)
 
                 best[k] = min(best[k], timed(run, repeats))

@@ -243,10 +243,10 @@ def load_row(
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     jobs = [(address, texts, n, per_request, seconds, i) for i, n in enumerate(shares)]
     context = multiprocessing.get_context("spawn")
-    # Started together at a barrier, once all have imported and connected: a fixed head start of 5 s
-    # was too short where a process imports torch (bench_gpu's), and the processes' windows then
-    # lay staggered across up to twice `seconds` while their tokens were divided by one window (one
-    # CUDA model instance "computed" 4.35 s in a 3 s level on an H100).
+    # Started together at a barrier, once all have imported and connected. With a fixed head start
+    # of 5 s (bench_gpu's children import torch, through bench_model) the windows lay staggered while
+    # their tokens were divided by one window: one CUDA model instance "computed" 4.35 s of batches
+    # in a 3 s level on an H100.
     together = context.Barrier(processes)
     with ProcessPoolExecutor(processes, mp_context=context, initializer=_join, initargs=(together,)) as pool:
         parts = list(pool.map(_tally_in_process, jobs))

@@ -211,9 +211,10 @@ class Tokenizer:
         rest = [i for i, ok in enumerate(fast) if not ok]
         ids: list[list[int]] = [[] for _ in texts]
         counts = [0] * len(texts)
+        others = [texts[i] for i in rest]
         parts = (
             (plain, self._from_ascii([texts[i] for i in plain])),
-            (rest, self._from_library(self._truncating, [texts[i] for i in rest], [texts[i] for i in rest])),
+            (rest, self._from_library(self._truncating, others, others)),
         )
         for places, (rows, whole) in parts:
             for i, row, count in zip(places, rows, whole, strict=True):

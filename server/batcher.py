@@ -198,7 +198,7 @@ def choose_batch(
     return sorted(order[lo : hi + 1])
 
 
-Run = tuple["Request", int, int]  # a request, its first input, how many of its inputs
+Run = tuple[Request, int, int]  # a request, its first input, how many of its inputs
 
 
 def runs(batch: list[Entry]) -> list[Run]:

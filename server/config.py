@@ -202,10 +202,13 @@ _HELP = {
     "device": "auto: CUDA where a GPU is usable, else CPU; cuda: fail without a GPU; cpu",
     "precision": "auto, fp32, fp16 or int8: which shipped graph runs (int8: opt-in, faster on CPU)",
     "max_batch_tokens": (
-        "padded tokens (rows x longest row) per batch; must hold one max-length input (0: auto, 1024 on "
-        "the CPU, 32768 on CUDA)"
+        "padded tokens (rows x longest row) per batch; must hold one max-length input (0: auto, "
+        f"{AUTO_BATCH_LIMITS[CPU_PROVIDER][1]} on the CPU, {AUTO_BATCH_LIMITS[CUDA_PROVIDER][1]} on CUDA)"
     ),
-    "max_batch_size": "rows per batch (0: auto, 32 on the CPU, 256 on CUDA)",
+    "max_batch_size": (
+        f"rows per batch (0: auto, {AUTO_BATCH_LIMITS[CPU_PROVIDER][0]} on the CPU, "
+        f"{AUTO_BATCH_LIMITS[CUDA_PROVIDER][0]} on CUDA)"
+    ),
     "max_padding": "largest share of padded tokens in a batch (0-1); inputs left out form the next batch",
     "max_queue_delay_ms": "longest wait for a batch to fill while another batch computes (an idle "
     "instance runs a lone input at once)",

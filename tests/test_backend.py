@@ -248,8 +248,8 @@ def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_r
 @pytest.mark.parametrize("provider", [CUDA, CPU])
 def test_the_warm_up_runs_every_shape_on_every_instance(provider):
     """Each warm-up thread holds an instance of its own: taking the next free instance per run, two
-    threads could both run on one and leave the other's shapes cold (2 CUDA instances on an H100
-    served their first load at a third of one instance's rate, p99 0.4 s)."""
+    threads could both run on one and leave the other's shapes cold (most likely why 2 CUDA
+    instances on an H100 ran their first served level at 33 ms a batch against 4.3, p99 0.4 s)."""
     config = ServerConfig(max_batch_size=64, max_batch_tokens=4096)
     backend = Recording(provider, instances=2)
     with ThreadPoolExecutor(2) as pool:

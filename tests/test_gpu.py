@@ -126,8 +126,8 @@ def test_gpu_memory_stays_flat_over_random_batch_shapes(repo):
             ids = rng.integers(1000, 30000, (rows, int(lengths.max())))
             backend.run(ids.astype(np.int64), lengths.astype(np.int64))
 
-    # Every bucket at its largest shape first (8 row counts x 7 lengths) on every instance (CUDA's
-    # auto is two), as a warmed server has met them: with random batches alone, a rarer large shape
+    # Every bucket at its largest shape first (8 row counts x 7 lengths) on every instance, as a
+    # warmed server has met them: with random batches alone, a rarer large shape
     # stepped the fused graph's memory up 114 MiB at batch 6,750; after this warm-up, 7,750 random
     # batches moved it 2 MiB (H100, one instance; two not yet run on a GPU).
     with contextlib.ExitStack() as held:
