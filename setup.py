@@ -8,6 +8,7 @@ setuptools does for extension modules, because that install imports proto/ from 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -26,6 +27,10 @@ def generate_stubs(out: Path) -> None:
 
 class BuildPyWithStubs(build_py):
     def run(self) -> None:
+        if not self.editable_mode:
+            # setuptools copies into build/lib and never empties it: a module deleted since the last
+            # build in this checkout would still be shipped.
+            shutil.rmtree(Path(self.build_lib, "minilm_embed"), ignore_errors=True)
         super().run()
         if self.editable_mode:
             generate_stubs(ROOT / "proto")

@@ -33,6 +33,8 @@ OLD_TOP_LEVEL = ("server", "model", "proto", "client", "export")
 CLIENT_DEPENDENCIES = {"grpcio", "protobuf", "numpy"}
 NOT_IN_A_CLIENT = ("onnxruntime", "onnxruntime-gpu", "torch", "tokenizers", "pyzmq")
 STUBS = ("embedding_pb2.py", "embedding_pb2.pyi", "embedding_pb2_grpc.py")
+# What an earlier build in the same checkout left in setuptools' build tree: a module since deleted.
+STALE = "minilm_embed/client/deleted_since.py"
 TEXT = "A man is playing a guitar."
 
 
@@ -62,6 +64,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, source / name)
     assert not list(source.glob("proto/**/*_pb2*")), "the copy must not carry generated stubs"
+    stale = source / "build" / "lib" / STALE
+    stale.parent.mkdir(parents=True)
+    stale.write_text("raise ImportError('deleted from the checkout')\n")
     built = run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, source, cwd=dist)
     assert built.returncode == 0, built.stdout + built.stderr
     (path,) = dist.glob("minilm_embed-*.whl")
@@ -96,6 +101,11 @@ def test_wheel_holds_the_generated_stubs_under_the_namespace_only(wheel: Path) -
     assert f"from {NAMESPACE}.proto.embedding.v1 import embedding_pb2 as" in grpc_stub
     assert f"{NAMESPACE}/__init__.py" not in names, "minilm_embed is a namespace package"
     assert f"{NAMESPACE}/export/parity_sentences.txt" in names
+
+
+def test_wheel_leaves_out_what_an_earlier_build_left_behind(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        assert STALE not in z.namelist()
 
 
 def test_wheel_declares_both_console_scripts(wheel: Path) -> None:
