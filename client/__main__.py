@@ -92,6 +92,8 @@ def security(args: argparse.Namespace) -> Security:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
+    for i, text in enumerate(args.texts, start=1):
+        check_argument(text, i)
     with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         request = embed_request(args.texts, normalize=not args.no_normalize, truncate=not args.no_truncate)
         response = c.embed_response(request)
@@ -104,6 +106,21 @@ def cmd_embed(args: argparse.Namespace) -> int:
     }
     print(json.dumps(out))
     return 0
+
+
+def check_argument(text: str, position: int) -> None:
+    """A shell argument that is not UTF-8 arrives with its bytes as lone surrogates (PEP 383), which
+    no request can carry: say which argument, and where."""
+    if not bulk.lone_surrogate(text):
+        return
+    raw = os.fsencode(text)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bulk.InputFileError(
+            f"text {position} is not UTF-8 ({e.reason}: byte 0x{raw[e.start]:02x} at offset {e.start})"
+        ) from None
+    raise bulk.InputFileError(f"text {position} {bulk.lone_surrogate(text)}")
 
 
 def bulk_job(args: argparse.Namespace) -> bulk.Job:

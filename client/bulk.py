@@ -19,8 +19,10 @@ CSV is not read as columns: a header or a quoted newline would become rows of th
 or `.tsv` input is refused (give JSONL instead, or one text per line).
 
 Before the first request the job learns the server's limits from its Info: requests hold at most
-`max_inputs_per_request` texts and half `max_message_bytes` of text, and a line over `max_text_chars`
-ends the job naming its line, as any bad line does, after every row before it is written.
+`max_inputs_per_request` texts, half `max_message_bytes` of text and as many rows as one answer of
+`max_message_bytes` holds (that matters only on a server run with a lower limit), and a line over
+`max_text_chars`, or too large for any request, ends the job naming its line, as any bad line does,
+after every row before it is written.
 
 Rows are written in input order as soon as they and every row before them are back, so at most
 `concurrency` requests of `batch_size` texts are held. A request refused with RESOURCE_EXHAUSTED
@@ -30,8 +32,11 @@ over the server's size limit is not (it would fail again).
 
 Resuming (`resume=True`) counts the whole rows already in the output (a row cut short by a kill is
 dropped), skips that many input records and appends the rest. With ids (JSONL input or output) the
-last id written must be the id of the input record at that position, so a different input is refused;
-a `.npy` made from JSONL input (ids beside it) resumes only with JSONL input, and one made from text
+last id written must be the id of the input record at that position (as JSON values: true is not 1),
+so a different input is refused. Line numbers cannot tell one file from another, nor ids a changed text,
+so the record at the last row's place is also embedded again and must come back at cosine >= 0.999 to
+that row (SAME_ROW_COSINE): a different file, or another model or precision, is refused; a `.npy` made
+from JSONL input (ids beside it) resumes only with JSONL input, and one made from text
 only with text. The last row's length tells whether the output was normalised (length 1) or not
 (the model's mean-pooled vectors: lengths 1.96-7.76 over STS-B dev's 3,006 sentences), and a resume
 with the other setting is refused: the file would mix the two. The output is read, not changed, until
@@ -76,6 +81,14 @@ FLOAT32 = "{:.9g}"  # 9 significant digits give back every float32 exactly; floa
 NOT_COLUMNS = (".csv", ".tsv")
 # A normalised float32 row's length is 1 within 1e-6; the model's mean-pooled rows are nowhere near it.
 NORM_TOLERANCE = 1e-3
+# A request's or a response's bytes beyond its texts or vectors: protobuf's tags and lengths and the
+# other fields (a response row's usage takes ~12), kept clear of the server's max_message_bytes.
+MESSAGE_FRAMING = 1024
+ROW_FRAMING = 32
+# A resumed output's last row against the input's record at that place, embedded again: the server
+# gives the same text the same vector within 0.99999 (its batch invariance); another text, or
+# another model or precision (int8 against fp32: 0.989), falls below this.
+SAME_ROW_COSINE = 0.999
 
 
 class InputFileError(Exception):
@@ -116,14 +129,17 @@ def text_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Record
 
 def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Record]:
     for number, line in lines:
+        line = line.removeprefix(BOM) if number == 1 else line  # as text input keeps reading past it
         if not line:
             raise InputFileError(
                 f'{name}:{number}: empty line (expected an object {{"id": ..., "text": "..."}})'
             )
         try:
-            item = json.loads(line)
+            item = json.loads(line, parse_constant=_not_json)
         except json.JSONDecodeError as e:
             raise InputFileError(f"{name}:{number}: not JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:  # NaN or Infinity: Python's json reads them, JSON has no such value
+            raise InputFileError(f"{name}:{number}: not JSON ({e})") from None
         if not isinstance(item, dict) or "id" not in item:
             raise InputFileError(f'{name}:{number}: expected an object {{"id": ..., "text": "..."}}')
         if "text" not in item:
@@ -133,18 +149,53 @@ def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Recor
             raise InputFileError(
                 f'{name}:{number}: "text" must be a non-empty string, not {json.dumps(text)}'
             )
+        if at := lone_surrogate(text):
+            raise InputFileError(f'{name}:{number}: "text" {at}')
         yield Record(item["id"], text, number)
 
 
-def within(records: Iterable[Record], max_chars: int, name: str) -> Iterator[Record]:
-    """The records, ending at the first over the server's max_text_chars (0: no limit known)."""
+BOM = "\ufeff"
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def lone_surrogate(text: str) -> str:
+    """Where `text` holds a lone UTF-16 surrogate (JSON's "\\udc80" escape parses to one), which UTF-8
+    cannot encode and so no request can carry; "" when it holds none."""
+    if text.isascii():
+        return ""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"U+{ord(text[e.start]):04X} at character {e.start}"
+        return f"holds a lone surrogate, {where}, which is not Unicode text"
+    return ""
+
+
+def within(
+    records: Iterable[Record], max_chars: int, name: str, max_message_bytes: int = 0
+) -> Iterator[Record]:
+    """The records, ending at the first over the server's max_text_chars, or too large for a request
+    of its max_message_bytes however alone (0: no limit known)."""
+    most = max_message_bytes - MESSAGE_FRAMING
     for record in records:
         if max_chars and len(record.text) > max_chars:
             raise InputFileError(
                 f"{name}:{record.line}: {len(record.text)} characters, over the server's limit "
                 f"max_text_chars={max_chars}"
             )
+        if max_message_bytes and len(record.text) > most // 4 and (size := utf8_size(record.text)) > most:
+            raise InputFileError(
+                f"{name}:{record.line}: {size} bytes of UTF-8, more than one request can carry under the "
+                f"server's limit max_message_bytes={max_message_bytes}"
+            )
         yield record
+
+
+def utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def chunks(
@@ -157,7 +208,7 @@ def chunks(
     size = 0
     try:
         for record in records:
-            cost = len(record.text) if record.text.isascii() else len(record.text.encode())
+            cost = utf8_size(record.text)
             if chunk and size + cost > max_bytes:
                 yield chunk, None
                 chunk, size = [], 0
@@ -323,6 +374,7 @@ class NpySink:
 @dataclass
 class JsonlSink:
     path: Path
+    dims: int
     rows: int = 0
     _size: int = 0  # bytes that hold `rows` rows, from inspect()
     _out: IO[bytes] | None = field(default=None, repr=False)
@@ -332,8 +384,19 @@ class JsonlSink:
         self.rows, self._size = lines.count, lines.size
         if not self.rows:
             return Written()
-        last = json.loads(lines.last)
-        return Written(self.rows, (last["id"],), tuple(last["embedding"]))
+        try:
+            last = json.loads(lines.last)
+        except ValueError:
+            last = None
+        row = last.get("embedding") if isinstance(last, dict) and "id" in last else None
+        if not isinstance(row, list) or not all(isinstance(x, float | int) for x in row):
+            raise OutputFileError(
+                f'{self.path}: its row {self.rows} is not a row of embed-file\'s ({{"id": ..., '
+                '"embedding": [...]}}): not an output of this client; cannot resume it'
+            )
+        if len(row) != self.dims:
+            raise OutputFileError(f"{self.path}: rows of {len(row)} floats, but the server gives {self.dims}")
+        return Written(self.rows, (last["id"],), tuple(row))
 
     def open(self, resume: bool) -> None:
         if not resume:
@@ -365,21 +428,39 @@ def sink_for(out: Path, dims: int, jsonl_input: bool) -> Sink:
     if out.suffix == ".npy":
         return NpySink(out, dims, ids_beside(out) if jsonl_input else None)
     if out.suffix == ".jsonl":
-        return JsonlSink(out)
+        return JsonlSink(out, dims)
     raise OutputFileError(f"{out}: the output must end in .npy or .jsonl")
 
 
-def skip_written(records: Iterator[Record], written: Written, name: str) -> None:
-    """Consume the input records the output already holds; where it keeps ids, the last must match."""
+def skip_written(records: Iterator[Record], written: Written, name: str) -> Record | None:
+    """Consume the input records the output already holds, and give back the last of them; where the
+    output keeps ids, its id must match (as JSON: true is not 1)."""
     count, last = 0, None
     for record in itertools.islice(records, written.rows):
         count, last = count + 1, record
     if count < written.rows:
         raise InputFileError(f"{name}: {count} records, but the output already holds {written.rows} rows")
-    if written.last_id and last is not None and last.id != written.last_id[0]:
+    if written.last_id and last is not None and json.dumps(last.id) != json.dumps(written.last_id[0]):
         raise InputFileError(
             f"{name}: record {count} has id {last.id!r}, but the output's row {count} has id "
             f"{written.last_id[0]!r}: this output was made from another input"
+        )
+    return last
+
+
+async def check_same_input(
+    embed: Callable[[list[str]], Awaitable[np.ndarray]], last: Record, written: Written, name: str
+) -> None:
+    """The output's last row must be the vector of the input's record at its place, embedded again:
+    line numbers (text input) cannot tell a different file, nor ids a different text or model."""
+    (vector,) = np.asarray(await embed([last.text]), dtype=np.float64)
+    row = np.asarray(written.last_row, dtype=np.float64)
+    cosine = float(vector @ row / max(np.linalg.norm(vector) * np.linalg.norm(row), 1e-30))
+    if cosine < SAME_ROW_COSINE:
+        raise InputFileError(
+            f"{name}:{last.line}: this record's vector is at cosine {cosine:.4f} from the output's row "
+            f"{written.rows}, which should hold it: this output was made from another input, or by "
+            "another model or precision"
         )
 
 
@@ -503,7 +584,12 @@ class Served:
     max_message_bytes: int = 0
 
     def batch_size(self, job: Job) -> int:
-        return min(job.batch_size, self.max_inputs_per_request or job.batch_size)
+        """At most the server's max_inputs_per_request, and as many rows as one response of its
+        max_message_bytes holds (a server run with a lower limit sends no larger answer)."""
+        most = [job.batch_size, self.max_inputs_per_request or job.batch_size]
+        if self.max_message_bytes:
+            most.append((self.max_message_bytes - MESSAGE_FRAMING) // (4 * self.dims + ROW_FRAMING))
+        return max(1, min(most))
 
     def request_bytes(self, job: Job) -> int:
         return min(job.max_request_bytes, self.max_message_bytes // 2 or job.max_request_bytes)
@@ -553,13 +639,19 @@ async def run_job(
     sink = sink_for(job.out, served.dims, job.jsonl)
     with input_stream(job.source) as (stream, name):
         parse = jsonl_records if job.jsonl else text_records
-        records = within(parse(read_lines(stream, name), name), served.max_text_chars, name)
+        lines = parse(read_lines(stream, name), name)
+        records = within(lines, served.max_text_chars, name, served.max_message_bytes)
         written = sink.inspect() if job.resume and job.out.exists() else Written()
         # Before the output is touched: a refusal leaves it as it was.
         written.check_normalized(job.normalize, job.out)
-        skip_written(records, written, name)
-        sink.open(resume=written.rows > 0)
         stats = Stats(rows=written.rows, resumed=written.rows, on_retry=on_retry)
+
+        def embed_texts(texts: list[str]) -> Awaitable[np.ndarray]:
+            return with_retries(lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats)
+
+        if last := skip_written(records, written, name):
+            await check_same_input(embed_texts, last, written, name)
+        sink.open(resume=written.rows > 0)
         complete = False
         try:
 
@@ -569,11 +661,8 @@ async def run_job(
                 progress(len(done))
 
             async def embed(chunk: list[Record]) -> np.ndarray:
-                texts = [r.text for r in chunk]
                 try:
-                    return await with_retries(
-                        lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats
-                    )
+                    return await embed_texts([r.text for r in chunk])
                 except grpc.RpcError as e:
                     line = refused_line(e, chunk, name)
                     if line is None:

@@ -100,6 +100,18 @@ def test_jsonl_input_to_npy_writes_the_ids_beside_it(server, client, tmp_path):
         ('{"id": 1, "text": "a"}\n{"text": "b"}\n', ["--jsonl"], "in.txt:2: expected an object"),
         ('{"id": 1, "text": "a"}\n{"id": 2, "text": ""}\n', ["--jsonl"], 'in.txt:2: "text" must be'),
         ('{"id": 1, "text": "a"}\nnot json\n', ["--jsonl"], "in.txt:2: not JSON"),
+        # Valid JSON whose text UTF-8 cannot carry: it crashed the job, naming no line.
+        (
+            '{"id": 1, "text": "a"}\n{"id": 2, "text": "bad \\udc80"}\n',
+            ["--jsonl"],
+            'in.txt:2: "text" holds a lone surrogate, U+DC80',
+        ),
+        # Python's json reads NaN; written back, it made an output no JSON parser reads.
+        (
+            '{"id": 1, "text": "a"}\n{"id": NaN, "text": "b"}\n',
+            ["--jsonl"],
+            "in.txt:2: not JSON (NaN is not a JSON value)",
+        ),
     ],
 )
 def test_bad_input_names_the_line(server, tmp_path, content, flags, message):
@@ -205,6 +217,47 @@ def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(server, tmp_pa
     assert_close(got, want)
 
 
+def test_a_text_resumed_against_another_file_of_as_many_lines_is_refused(server, tmp_path):
+    """Text input's ids are line numbers, the same in any file: the output's last row is checked
+    against its line embedded again. Before, a shuffled file resumed into a mixed output."""
+    lines = corpus(8)
+    path, out = tmp_path / "in.txt", tmp_path / "v.jsonl"
+    path.write_text("\n".join(lines[:5]) + "\n", encoding="utf-8")
+    assert embed_file(server, str(path), "--out", str(out)).returncode == 0
+    before = out.read_bytes()
+    path.write_text("\n".join(lines[::-1]) + "\n", encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 2
+    assert "in.txt:5: this record's vector is at cosine" in done.stderr, done.stderr
+    assert "made from another input" in done.stderr
+    assert out.read_bytes() == before
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")  # the same file, grown: it resumes
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert [r["id"] for r in read_jsonl(out)] == list(range(1, 9))
+
+
+def test_a_job_sizes_its_requests_and_answers_to_a_lowered_message_limit(tmp_path):
+    """At --max-message-bytes 65536 an answer of 256 vectors (400 kB) could not be sent, and a line of
+    70,000 bytes could not be asked: the job died naming no line. Now the batches fit the answers and
+    the line is refused by its number, after every row before it."""
+    lines = corpus(100)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("\n".join(lines) + "\n" + "x" * 70_000 + "\n", encoding="utf-8")
+    with serving("--max-message-bytes", "65536") as small:
+        done = embed_file(small, str(path), "--out", str(out), "--batch-size", "256")
+        with EmbeddingClient(small.address, timeout=60) as c:
+            want = alone(c, lines[-3:])
+    assert done.returncode == 2, done.stderr
+    assert "in.txt:101: 70000 bytes of UTF-8, more than one request can carry" in done.stderr, done.stderr
+    assert "max_message_bytes=65536" in done.stderr
+    assert "holds the 100 whole rows" in done.stderr
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with serving("--max-message-bytes", "65536") as small:
+        assert embed_file(small, str(path), "--out", str(out), "--resume").returncode == 0
+    assert_close(np.load(out)[-3:], want)
+
+
 def test_resuming_against_another_input_is_refused(server, tmp_path):
     first, other = tmp_path / "first.txt", tmp_path / "other.jsonl"
     first.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n', encoding="utf-8")
@@ -217,6 +270,31 @@ def test_resuming_against_another_input_is_refused(server, tmp_path):
 
 
 # Without a server: the pieces a resume depends on.
+
+
+def test_a_jsonl_output_that_is_not_one_is_refused_by_name(tmp_path):
+    out = tmp_path / "v.jsonl"
+    out.write_text('{"id": 1, "text": "the input given as --out by mistake"}\n', encoding="utf-8")
+    with pytest.raises(bulk.OutputFileError, match="its row 1 is not a row of embed-file's"):
+        bulk.JsonlSink(out, 4).inspect()
+    out.write_text("{not json\n", encoding="utf-8")
+    with pytest.raises(bulk.OutputFileError, match="not an output of this client"):
+        bulk.JsonlSink(out, 4).inspect()
+    out.write_text('{"id": 1, "embedding": [0.6, 0.8]}\n', encoding="utf-8")
+    with pytest.raises(bulk.OutputFileError, match="rows of 2 floats, but the server gives 4"):
+        bulk.JsonlSink(out, 4).inspect()
+
+
+def test_ids_match_as_json_values_so_true_is_not_1():
+    written = bulk.Written(1, (1,), (1.0,))
+    with pytest.raises(bulk.InputFileError, match="record 1 has id True"):
+        bulk.skip_written(iter([bulk.Record(True, "a", 1)]), written, "in.jsonl")
+    assert bulk.skip_written(iter([bulk.Record(1, "a", 1)]), written, "in.jsonl") == bulk.Record(1, "a", 1)
+
+
+def test_a_byte_order_mark_before_the_first_jsonl_object_is_read_past():
+    lines = [(1, '\ufeff{"id": "a", "text": "one"}'), (2, '{"id": "b", "text": "two"}')]
+    assert [r.id for r in bulk.jsonl_records(lines, "in.jsonl")] == ["a", "b"]
 
 
 def test_lines_split_on_newline_only(tmp_path):
@@ -246,14 +324,14 @@ def test_a_cut_short_row_is_dropped_on_resume(tmp_path):
 
 def test_a_cut_short_jsonl_row_is_dropped_on_resume(tmp_path):
     out = tmp_path / "v.jsonl"
-    sink = bulk.JsonlSink(out)
+    sink = bulk.JsonlSink(out, 4)
     sink.open(resume=False)
     sink.write([bulk.Record(f"d{i}", "t", i) for i in range(3)], np.full((3, 4), 0.5, dtype=np.float32))
     sink.close(complete=False)
     whole = out.read_bytes()
     with out.open("ab") as f:
         f.write(b'{"id": "d3", "embedding": [0.5, 0.')  # the kill came mid-line
-    resumed = bulk.JsonlSink(out)
+    resumed = bulk.JsonlSink(out, 4)
     assert resumed.inspect() == bulk.Written(3, ("d2",), (0.5,) * 4)
     resumed.open(resume=True)
     resumed.write([bulk.Record("d3", "t", 3)], np.full((1, 4), 0.25, dtype=np.float32))
@@ -364,7 +442,7 @@ def test_a_file_of_long_texts_fits_the_servers_message_limit(server, client, tmp
 def test_jsonl_rows_give_back_the_same_float32_in_fewer_bytes(tmp_path):
     vectors = np.random.default_rng(0).standard_normal((50, 384)).astype(np.float32) / 20
     vectors[0, :4] = [0.0, -0.0, 1e-38, 3.4028235e38]
-    sink = bulk.JsonlSink(tmp_path / "v.jsonl")
+    sink = bulk.JsonlSink(tmp_path / "v.jsonl", 384)
     sink.open(resume=False)
     sink.write([bulk.Record(f"id-{i}", "t", i) for i in range(50)], vectors)
     sink.close(complete=True)

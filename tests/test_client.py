@@ -60,6 +60,14 @@ def test_embed_prints_json_with_one_vector_per_text(server, client):
     assert int(out["timing"]["totalUs"]) > 0
 
 
+def test_an_argument_that_is_not_utf8_is_named_not_a_traceback(server):
+    # The shell hands the bytes over as they are; Python gives them as lone surrogates (PEP 383).
+    done = run_client("--address", server.address, "embed", "fine", os.fsdecode(b"lone \xed\xb2\x80 byte"))
+    assert done.returncode == 2, done.stderr
+    assert "text 2 is not UTF-8" in done.stderr and "byte 0xed at offset 5" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_embed_file_writes_rows_in_the_file_order(server, client, tmp_path):
     lines = [(SHORT + TINY)[i] for i in np.random.default_rng(1).permutation(len(SHORT + TINY))]
     corpus = tmp_path / "corpus.txt"
