@@ -1,6 +1,7 @@
 """The HTTP API, kept thin: OpenAI's embeddings request -> EmbedJob -> Embedder (embedder.py) -> JSON.
 
-    POST /v1/embeddings   OpenAI's shapes: `input` a string, strings, or token ids; float or base64
+    POST /v1/embeddings   OpenAI's shapes: `input` a string, strings, or token ids; float or base64;
+                          `truncate` (text-embeddings-inference's; gRPC's): false refuses a long input
     GET  /v1/models       the one model served
     GET  /v1/models/{id}  that model, or 404 model_not_found
     GET  /health          200 while serving; 503 while warming up or draining (never needs the token)
@@ -71,6 +72,9 @@ STATUS: dict[type[ServiceError], tuple[int, str]] = {
     BackendFailure: (500, "server_error"),
     ServiceError: (500, "server_error"),
 }
+# Starlette's own refusals, as gRPC would answer them: no such path, and no such method (gRPC's answer
+# to a method it does not serve).
+ROUTING_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
 # The `method` label of embed_requests_total and embed_request_duration_seconds for HTTP calls, beside
 # the gRPC methods' names (/health is not counted: probes would drown the calls).
 EMBEDDINGS, MODELS = "http_embeddings", "http_models"
@@ -78,6 +82,7 @@ METHODS = (EMBEDDINGS, MODELS)
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
 INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
+SHAPES = "send a list of strings, a list of token ids (integers), or a list of lists of token ids"
 _INT64 = 1 << 63
 KINDS = {
     dict: "an object", list: "a list", str: "a string", type(None): "null",
@@ -262,10 +267,15 @@ class HttpApi:
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such path, wrong method) in OpenAI's error shape."""
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's error shape, as every other
+    answer: gRPC's code, the exception's headers (405's Allow) and the call's x-request-id."""
     assert isinstance(exc, HTTPException)
-    error = {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": None}
-    return json_response({"error": error}, exc.status_code)
+    code = ROUTING_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT).name.lower()
+    error = {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": code}
+    response = json_response({"error": error}, exc.status_code)
+    response.headers.update(exc.headers or {})
+    response.headers[logs.REQUEST_ID_HEADER] = HttpApi._request_id(request)
+    return response
 
 
 def _model_not_found(asked: str, served: str) -> Response:
@@ -328,8 +338,10 @@ def parse_embeddings(body: bytes, card: ModelCard, most: int) -> EmbeddingsReque
     if not isinstance(fields.get("model", ""), str):
         raise InvalidField("model", f"`model` must be a string, not {_kind(fields['model'])}")
     check_dimensions(fields.get("dimensions"), card)
+    truncate = parse_truncate(fields.get("truncate"))
     texts, token_ids = parse_input(fields["input"], most)
-    return EmbeddingsRequest(EmbedJob(texts, token_ids), parse_format(fields.get("encoding_format")))
+    job = EmbedJob(texts, token_ids, truncate=truncate)
+    return EmbeddingsRequest(job, parse_format(fields.get("encoding_format")))
 
 
 def _json_error(body: bytes, error: orjson.JSONDecodeError) -> str:
@@ -362,11 +374,24 @@ def parse_input(value: object, most: int) -> tuple[list[str], list[list[int]]]:
         return [], [_token_ids(value, 0)]
     if all(isinstance(v, list) for v in value):
         return [], [_token_ids(row, i) for i, row in enumerate(value)]
-    raise InvalidField(
-        "input",
-        "`input` mixes kinds of items: send a list of strings, a list of token ids (integers), "
-        "or a list of lists of token ids",
-    )
+    raise InvalidField("input", f"{_mixed(value)}; {SHAPES}")
+
+
+def _mixed(items: list[Any]) -> str:
+    """Which item's kind breaks the list's shape: the first whose shape differs from input 0's (a
+    number among token ids is one shape: `_token_ids` says which is not an integer)."""
+    first = _shape(items[0])
+    odd = next((i for i, item in enumerate(items) if _shape(item) != first), None)
+    if odd is None:  # every item of one kind, not one of the three
+        return f"`input` holds items of no kind it takes: input 0 is {_kind(items[0])}"
+    return f"`input` mixes kinds of items: input 0 is {_kind(items[0])}, input {odd} is {_kind(items[odd])}"
+
+
+def _shape(item: object) -> object:
+    for shape in (str, int | float, list):
+        if isinstance(item, shape):
+            return shape
+    return type(item)
 
 
 def _token_ids(row: list[Any], i: int) -> list[int]:
@@ -384,11 +409,23 @@ def _token_ids(row: list[Any], i: int) -> list[int]:
 def check_dimensions(value: object, card: ModelCard) -> None:
     if value is None or (type(value) is int and value == card.dimensions):
         return
+    if type(value) is not int:  # 384.0 or "384": not "is 384.0, but ... send 384"
+        raise InvalidField("dimensions", f"`dimensions` must be an integer, not {_kind(value)} {value!r}")
     raise InvalidField(
         "dimensions",
         f"`dimensions` is {value!r}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
         f"send {card.dimensions} or leave it out",
     )
+
+
+def parse_truncate(value: object) -> bool:
+    """text-embeddings-inference's `truncate`, gRPC's: unset (or null) cuts inputs at the model's
+    limit; false refuses an input over it."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    raise InvalidField("truncate", f"`truncate` must be a boolean, not {_kind(value)} {value!r}")
 
 
 def parse_format(value: object) -> bool:

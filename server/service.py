@@ -190,6 +190,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.metrics.request_duration.labels(method, size_class(inputs)).observe(duration)
 
     async def _embed(self, request: pb.EmbedRequest, deadline: float | None, held: Hold) -> pb.EmbedResponse:
+        fmt = _format(request.format)
         # Before a Python object is made per input: 600k one-character texts cost a front ~3x its
         # idle memory and a second of its event loop when counted only after list() (16 callers).
         self.embedder.tokenizer.check_count(_inputs(request))
@@ -201,7 +202,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             deadline=deadline,
             request_id=logs.current_request_id.get(),
         )
-        return _response(await self.embedder.embed(job, held), request.format)
+        return _response(await self.embedder.embed(job, held), fmt)
 
     async def _tokenize(self, request: pb.TokenizeRequest, held: Hold) -> pb.TokenizeResponse:
         self.embedder.tokenizer.check_count(_inputs(request))
@@ -345,6 +346,15 @@ def _inputs(request: object) -> int:
     if isinstance(request, pb.EmbedRequest):
         return len(request.texts) or len(request.token_ids)
     return len(request.texts) if isinstance(request, pb.TokenizeRequest) else 0
+
+
+def _format(value: int) -> int:
+    """The request's EmbeddingFormat. proto3 keeps a value it does not know as its number (a newer
+    client's, or a wrong one): refused, not answered as floats."""
+    if value in pb.EmbeddingFormat.values():
+        return value
+    *others, last = (f"{name} ({number})" for name, number in pb.EmbeddingFormat.items())
+    raise InvalidInput(f"format is {value}, not an EmbeddingFormat: send {', '.join(others)} or {last}")
 
 
 def _stream_error(item_id: str, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:

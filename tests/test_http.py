@@ -211,7 +211,14 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
         ({"input": ["a"] * (MAX_INPUTS + 1)}, "input", ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"]),
         ({"input": []}, "input", ["empty list"]),
         ({"input": [""]}, "input", ["input 0 is an empty string"]),
-        ({"input": ["a", 7]}, "input", ["mixes"]),
+        ({"input": ["a", 7]}, "input", ["mixes kinds of items: input 0 is a string, input 1 is an integer"]),
+        (
+            {"input": ["a", "b", None]},
+            "input",
+            ["mixes kinds of items: input 0 is a string, input 2 is null"],
+        ),
+        ({"input": [101, 1.0, [102]]}, "input", ["input 0 is an integer, input 2 is a list"]),
+        ({"input": [None]}, "input", ["input 0 is null; send a list of strings"]),
         ({"input": [[101, "x"]]}, "input", ["input 0", "position 1 is a string 'x', not an integer"]),
         ({"input": [101, 1.0]}, "input", ["input 0", "position 1 is a number 1.0, not an integer"]),
         ({"input": [[101], [True]]}, "input", ["input 1", "position 0 is a boolean True"]),
@@ -225,6 +232,23 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
         ),
         ({"input": {"text": "a"}}, "input", ["an object"]),
         ({"input": "a", "dimensions": 128}, "dimensions", ["128", f"{DIMENSIONS}"]),
+        # Not "`dimensions` is 384.0, but ... send 384": a number that is not an integer says so.
+        ({"input": "a", "dimensions": 384.0}, "dimensions", ["must be an integer, not a number 384.0"]),
+        ({"input": "a", "dimensions": "384"}, "dimensions", ["must be an integer, not a string '384'"]),
+        ({"input": "a", "dimensions": True}, "dimensions", ["must be an integer, not a boolean True"]),
+        ({"input": "a", "truncate": "no"}, "truncate", ["`truncate` must be a boolean, not a string 'no'"]),
+        ({"input": "a", "truncate": 0}, "truncate", ["must be a boolean, not an integer 0"]),
+        # As gRPC's truncate=false: refused naming the input, its tokens and the limit.
+        (
+            {"input": [SHORT[0], LONG], "truncate": False},
+            "input",
+            ["input 1 has 414 tokens, over the limit max_input_tokens=256"],
+        ),
+        (
+            {"input": [[101, *[1000] * 298, 102]], "truncate": False},
+            "input",
+            ["input 0 has 300 tokens, over the limit max_input_tokens=256"],
+        ),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format", ["'hex'", "float or base64"]),
         ({"model": "m"}, "input", ["`input` is required"]),
     ],
@@ -321,9 +345,35 @@ def test_every_answer_carries_the_request_id_given_or_made_up(server):
     assert unauthenticated.status_code == 401 and unauthenticated.headers["x-request-id"]
 
 
-def test_unknown_paths_and_methods_answer_in_openais_shape(server):
-    assert httpx.get(server.http_url + "/v1/nothing").json()["error"]["message"] == "Not Found"
-    assert httpx.get(server.http_url + "/v1/embeddings").status_code == 405
+def test_unknown_paths_and_methods_answer_in_openais_shape_with_allow_and_the_request_id(server):
+    """Starlette's own refusals as every other answer: gRPC's code lower-cased (NOT_FOUND; UNIMPLEMENTED,
+    as gRPC answers an unknown method), an x-request-id, and for 405 the Allow header RFC 9110 asks."""
+    missing = httpx.get(server.http_url + "/v1/nothing", headers={"x-request-id": "lost-1"})
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {
+        "message": "Not Found",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "not_found",
+    }
+    assert missing.headers["x-request-id"] == "lost-1"
+    wrong = httpx.get(server.http_url + "/v1/embeddings")
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "unimplemented"
+    assert len(wrong.headers["x-request-id"]) == 32  # none given: a uuid4's hex
+
+
+def test_truncate_true_or_null_cuts_a_long_input_as_by_default(server, grpc_vectors):
+    """TEI's `truncate`; true (the default, as gRPC's) cuts LONG at 256 tokens, on texts and token ids."""
+    want = grpc_vectors[-1:]
+    whole = [101, *[1000] * 298, 102]
+    for truncate in (True, None):
+        response = create(server, input=[LONG], encoding_format="float", extra_body={"truncate": truncate})
+        assert response.usage.total_tokens == 256
+        assert_close(np.array([response.data[0].embedding]), want)
+        ids = create(server, input=whole, encoding_format="float", extra_body={"truncate": truncate})
+        assert ids.usage.total_tokens == 256
 
 
 def test_metrics_count_http_calls_beside_grpc(server):

@@ -278,6 +278,12 @@ INVALID = {
         pb.EmbedRequest(token_ids=_ids([7592, 2088])),
         r"input 0: token ids must start with \[CLS\]",
     ),
+    # proto3 keeps an enum value it does not know as its number: answered as floats before.
+    "unknown format": (
+        pb.EmbedRequest(texts=["a"], format=7),  # type: ignore[arg-type]
+        r"format is 7, not an EmbeddingFormat: send EMBEDDING_FORMAT_UNSPECIFIED \(0\), "
+        r"EMBEDDING_FORMAT_FLOATS \(1\) or EMBEDDING_FORMAT_FLOAT32_BYTES \(2\)",
+    ),
     "text over max_text_chars": (
         pb.EmbedRequest(texts=["x" * 200_001]),
         r"input 0 has 200001 characters, over the limit max_text_chars=200000",
@@ -385,6 +391,19 @@ def test_embed_stream_answers_every_item_and_goes_on_after_a_bad_one(client, ref
     assert all(a.WhichOneof("result") == "response" for a in answers.values())
     got = np.concatenate([to_array(a.response) for a in answers.values()])
     assert_close(got, reference.embed([texts[k] for k in answers]))
+
+
+def test_a_stream_item_with_an_unknown_format_is_refused_and_the_stream_goes_on(client):
+    items = [
+        pb.EmbedStreamRequest(id="odd", request=pb.EmbedRequest(texts=["a"], format=7)),  # type: ignore[arg-type]
+        pb.EmbedStreamRequest(
+            id="ok", request=pb.EmbedRequest(texts=["a"], format=pb.EMBEDDING_FORMAT_FLOATS)
+        ),
+    ]
+    answers = {a.id: a for a in client.stub.EmbedStream(iter(items), timeout=60)}
+    assert answers["odd"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "format is 7, not an EmbeddingFormat" in answers["odd"].error.message
+    assert len(answers["ok"].response.embeddings[0].values) == DIMENSIONS
 
 
 def test_a_stream_outlives_the_connections_maximum_age():
