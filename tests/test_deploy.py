@@ -28,10 +28,11 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
 from minilm_embed.server import backend
 from minilm_embed.server.app import plan_fronts
 from minilm_embed.server.backend import cgroup_cpus, usable_cores
-from minilm_embed.server.config import ServerConfig, env_name, load_config
+from minilm_embed.server.config import AUTO_BATCH_LIMITS, ServerConfig, env_name, load_config
 from minilm_embed.server.health import SERVICE_NAME
 from minilm_embed.server.metrics import Metrics
 from tests.server_process import ServerProcess, model_dir
@@ -499,6 +500,24 @@ def test_hpa_scales_on_per_pod_server_gauges(overlay: str, manifests: dict[str, 
     assert names and names <= adapter_metrics() and names <= server_gauges()
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] > 0
     assert "replicas" not in one(docs, "Deployment")["spec"], "the HPA owns the replica count"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hpa_queue_target_is_one_full_batch_of_the_overlay(
+    overlay: str, manifests: dict[str, list[Resource]]
+) -> None:
+    """Above one batch waiting on average the model runs back to back (base/hpa.yaml). The gpu overlay
+    kept the base's 32 while its batches hold 1,024 rows: pods added with 1/32 of a batch waiting."""
+    docs = manifests[overlay]
+    config = load_config([], flags(docs))
+    provider = CUDA_PROVIDER if config.device == "cuda" else CPU_PROVIDER
+    batch = config.max_batch_size or AUTO_BATCH_LIMITS[provider][0]
+    (queue,) = [
+        m
+        for m in one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+        if m["pods"]["metric"]["name"] == "embed_queue_depth"
+    ]
+    assert int(queue["pods"]["target"]["averageValue"]) == batch
 
 
 # docker-compose.yml.
