@@ -12,6 +12,7 @@ from minilm_embed.client.errors import (
     EmbeddingError,
     InvalidInput,
     Overloaded,
+    TooLarge,
     Unauthenticated,
     Unavailable,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "InvalidInput",
     "Overloaded",
     "Security",
+    "TooLarge",
     "Unauthenticated",
     "Unavailable",
     "service_config",

@@ -8,7 +8,9 @@ raises one of client.errors' exceptions (InvalidInput, Overloaded, Unavailable, 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,23 +57,41 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
     ]
 
 
+# What an HTTP/2 header value may hold (RFC 9113 8.2.1): printable ASCII and spaces inside.
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+
+
 @dataclass(frozen=True)
 class Security:
-    """TLS and/or a bearer token. With `ca_cert` the channel uses TLS; client cert+key add mutual TLS."""
+    """TLS and/or a bearer token. With `ca_cert` the channel uses TLS; client cert+key add mutual TLS.
 
-    ca_cert: Path | None = None
-    client_cert: Path | None = None
-    client_key: Path | None = None
+    Paths may be given as str or Path. The token is stripped of surrounding whitespace (a token file's
+    newline), and one no header can carry is refused here (ValueError), not by gRPC mid-call."""
+
+    ca_cert: Path | str | None = None
+    client_cert: Path | str | None = None
+    client_key: Path | str | None = None
     token: str | None = None
     server_name: str | None = None  # check the certificate against this name instead of the address
+
+    def __post_init__(self) -> None:
+        for name in ("ca_cert", "client_cert", "client_key"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+        if self.token is not None:
+            token = self.token.strip()
+            if token and not _HEADER_VALUE.fullmatch(token):
+                raise ValueError("the token holds characters a header cannot carry: printable ASCII only")
+            object.__setattr__(self, "token", token or None)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         """TLS channel credentials, or None for a plaintext channel (no `ca_cert`)."""
         if self.ca_cert is None:
             return None
-        key = self.client_key.read_bytes() if self.client_key else None
-        chain = self.client_cert.read_bytes() if self.client_cert else None
-        return grpc.ssl_channel_credentials(self.ca_cert.read_bytes(), key, chain)
+        key = Path(self.client_key).read_bytes() if self.client_key else None
+        chain = Path(self.client_cert).read_bytes() if self.client_cert else None
+        return grpc.ssl_channel_credentials(Path(self.ca_cert).read_bytes(), key, chain)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Call metadata: the `authorization: Bearer` header when a token is set."""
@@ -88,6 +108,8 @@ def text_list(texts: str | Iterable[str] | None) -> list[str]:
     (a list, a numpy array, a pandas Series) is accepted; anything else is a TypeError naming it."""
     if texts is None:
         return []
+    if isinstance(texts, bytes | bytearray):  # iterating it would give ints
+        raise TypeError(f"texts is {type(texts).__name__}: decode it to str first")
     items = [texts] if isinstance(texts, str) else list(texts)
     for i, text in enumerate(items):
         if not isinstance(text, str):
@@ -120,6 +142,15 @@ def to_array(response: pb.EmbedResponse) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, response.dimensions), dtype=np.float32)
 
 
+def checked_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout is {timeout!r}: give seconds above 0, or None for no deadline")
+    return timeout
+
+
+CLOSED = "the client is closed"
+
+
 def open_channel(address: str, security: Security, api: Any) -> Any:
     """A channel from `api` (grpc or grpc.aio): TLS when the security says so, plaintext otherwise."""
     credentials = security.credentials()
@@ -132,19 +163,22 @@ class EmbeddingClient:
     """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`.
 
     `timeout` is seconds per call (None: no deadline). Every method raises a client.errors.EmbeddingError
-    subclass when the call fails.
+    subclass when the call fails, and ValueError once the client is closed.
     """
 
     def __init__(
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
     ) -> None:
         security = security or Security()
+        self.timeout = checked_timeout(timeout)
         self.channel = open_channel(address, security, grpc)
         self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
-        self.timeout = timeout
         self.metadata = security.metadata()
+        self.closed = False
 
     def _call(self, method: Any, request: Any) -> Any:
+        if self.closed:
+            raise ValueError(CLOSED)
         try:
             return method(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
@@ -155,13 +189,27 @@ class EmbeddingClient:
         return self._call(self.stub.Embed, request)
 
     def embed(self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
-        """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D));
-        `truncate=False` refuses over-long texts."""
+        """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D)).
+
+        `normalize=False` gives the mean-pooled vectors; `truncate=False` refuses a text over the
+        model's max_input_tokens (256) instead of cutting it. The server's limits (`info().limits`):
+        at most max_inputs_per_request texts a call (256 by default; the client does not split a
+        longer list, `minilm-embed embed-file` does), each of at most max_text_chars, and
+        max_message_bytes a message. A failed call raises a client.errors exception: InvalidInput
+        (the limit or rule, named), Overloaded (queue full: back off), TooLarge (a message over the
+        size limit), Unavailable, Unauthenticated, DeadlineExceeded.
+        """
         return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
 
-    def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
-        """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
-        return to_array(self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
+    def embed_ids(
+        self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True
+    ) -> np.ndarray:
+        """(N, D) float32 vectors for token-id sequences from the model's tokenizer (the server's
+        `tokenize`), each framed by [CLS] (101) and [SEP] (102) as `tokenize` returns them;
+        `truncate=False` refuses a sequence over 256 ids. Limits and errors as `embed`'s."""
+        return to_array(
+            self.embed_response(embed_request(token_ids=token_ids, normalize=normalize, truncate=truncate))
+        )
 
     def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
@@ -172,7 +220,8 @@ class EmbeddingClient:
         return self._call(self.stub.Info, pb.InfoRequest())
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channel; calls in flight are cancelled. Closing twice is harmless."""
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> EmbeddingClient:
@@ -185,19 +234,41 @@ class EmbeddingClient:
 class AsyncEmbeddingClient:
     """asyncio client. `async with AsyncEmbeddingClient() as c: vectors = await c.embed([...])`.
 
-    The same methods, arguments and exceptions as EmbeddingClient, awaited.
+    The same methods, arguments and exceptions as EmbeddingClient, awaited. It may be made outside
+    an event loop (at import, say): its channel opens at its first call, on that call's loop, and
+    serves that loop only (a call from another raises RuntimeError: make one client per loop).
     """
 
     def __init__(
         self, address: str = DEFAULT_ADDRESS, timeout: float | None = 30.0, security: Security | None = None
     ) -> None:
-        security = security or Security()
-        self.channel = open_channel(address, security, grpc.aio)
-        self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
-        self.timeout = timeout
-        self.metadata = security.metadata()
+        self.security = security or Security()
+        self.address = address
+        self.timeout = checked_timeout(timeout)
+        self.metadata = self.security.metadata()
+        self.closed = False
+        self._channel: Any = None
+        self._stub: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def _call(self, method: Any, request: Any) -> Any:
+    @property
+    def stub(self) -> Any:
+        """The service stub, on a channel opened in the running loop at first use."""
+        if self.closed:
+            raise ValueError(CLOSED)
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._channel = open_channel(self.address, self.security, grpc.aio)
+            self._stub, self._loop = pb_grpc.EmbeddingServiceStub(self._channel), loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncEmbeddingClient's channel belongs to the event loop of its first call; "
+                "make one client per event loop (inside asyncio.run)"
+            )
+        return self._stub
+
+    async def _call(self, name: str, request: Any) -> Any:
+        method = getattr(self.stub, name)
         try:
             return await method(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
@@ -205,33 +276,37 @@ class AsyncEmbeddingClient:
 
     async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
-        return await self._call(self.stub.Embed, request)
+        return await self._call("Embed", request)
 
     async def embed(
         self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True
     ) -> np.ndarray:
-        """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D));
-        `truncate=False` refuses over-long texts."""
+        """As EmbeddingClient.embed (its limits and errors), awaited."""
         return to_array(
             await self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate))
         )
 
-    async def embed_ids(self, token_ids: Sequence[Sequence[int]], normalize: bool = True) -> np.ndarray:
-        """(N, D) float32 vectors for token-id sequences already tokenized with the model's tokenizer."""
-        return to_array(await self.embed_response(embed_request(token_ids=token_ids, normalize=normalize)))
+    async def embed_ids(
+        self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True
+    ) -> np.ndarray:
+        """As EmbeddingClient.embed_ids, awaited."""
+        request = embed_request(token_ids=token_ids, normalize=normalize, truncate=truncate)
+        return to_array(await self.embed_response(request))
 
     async def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
         request = pb.TokenizeRequest(texts=text_list(texts), truncate=truncate)
-        return await self._call(self.stub.Tokenize, request)
+        return await self._call("Tokenize", request)
 
     async def info(self) -> pb.InfoResponse:
         """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""
-        return await self._call(self.stub.Info, pb.InfoRequest())
+        return await self._call("Info", pb.InfoRequest())
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
-        await self.channel.close()
+        """Close the channel; calls in flight are cancelled. Closing twice is harmless."""
+        self.closed = True
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncEmbeddingClient:
         return self

@@ -3,9 +3,11 @@
     EmbeddingError            every failed call (INTERNAL, CANCELLED and the rest are this base class)
     +-- Unavailable           no replica took the call, after the channel's retries: try again later
     +-- InvalidInput          the request broke a rule or a limit, named in the message: fix the request
-    +-- Overloaded            the server refused at once (queue full, message too large): back off
+    +-- Overloaded            the server refused at once (queue full, a front's budget): back off
+    +-- TooLarge              a message over gRPC's size limit (either way): send fewer or shorter texts
     +-- Unauthenticated       missing or wrong bearer token
-    +-- DeadlineExceeded      the call's timeout passed; the server dropped the input before compute
+    +-- DeadlineExceeded      the call's timeout passed (queued too long, or spent retrying a server
+                              that could not be reached); the server drops inputs past it before compute
 
 The gRPC status is mapped in one place, `from_rpc_error`. Each class is still a `grpc.RpcError`
 with `code()` and `details()`, so code written against raw gRPC errors keeps working.
@@ -33,8 +35,15 @@ class InvalidInput(EmbeddingError):
 
 
 class Overloaded(EmbeddingError):
-    """RESOURCE_EXHAUSTED: the server's queue is full (retry after a backoff, or send less at once), or a
-    message is over the size limit (the message says which)."""
+    """RESOURCE_EXHAUSTED: the server's queue is full, or a front's budget (retry after a backoff, or
+    send less at once)."""
+
+
+class TooLarge(EmbeddingError):
+    """RESOURCE_EXHAUSTED from gRPC itself: a request or response over a max message size (the
+    server's max_message_bytes, 2 MiB by default; `details()` gives both sizes). It fails again
+    whenever retried: send fewer or shorter texts a call. Not an Overloaded, so that a loop retrying
+    those does not retry this for ever."""
 
 
 class Unauthenticated(EmbeddingError):
@@ -42,7 +51,9 @@ class Unauthenticated(EmbeddingError):
 
 
 class DeadlineExceeded(EmbeddingError):
-    """DEADLINE_EXCEEDED: the call's timeout passed before its result was ready."""
+    """DEADLINE_EXCEEDED: the call's timeout passed before its result was ready: it queued too long,
+    or the channel spent it retrying a server it could not reach (a short timeout against a server that
+    is down ends here, not in Unavailable)."""
 
 
 _BY_STATUS: dict[grpc.StatusCode, type[EmbeddingError]] = {
@@ -54,13 +65,28 @@ _BY_STATUS: dict[grpc.StatusCode, type[EmbeddingError]] = {
 }
 
 
+# gRPC's own words: for a message over a size limit (either side's), and for a channel whose every
+# server says NOT_SERVING to the health checks the channel makes (service_config's healthCheckConfig).
+_TOO_LARGE = "larger than max"
+_UNHEALTHY = "backend unhealthy"
+UNHEALTHY_NOTE = (
+    " (the server answers gRPC health checks NOT_SERVING: warming up, draining, or its engine "
+    "stopped; the call was not sent)"
+)
+
+
 def from_rpc_error(error: grpc.RpcError) -> EmbeddingError:
     """The client exception for a failed gRPC call (sync or asyncio), keeping its status and metadata."""
-    code = error.code()
-    return _BY_STATUS.get(code, EmbeddingError)(
+    code, details = error.code(), error.details() or ""
+    kind = _BY_STATUS.get(code, EmbeddingError)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
+        kind = TooLarge
+    if code == grpc.StatusCode.UNAVAILABLE and _UNHEALTHY in details:
+        details += UNHEALTHY_NOTE
+    return kind(
         code,
         grpc.aio.Metadata(*(error.initial_metadata() or ())),
         grpc.aio.Metadata(*(error.trailing_metadata() or ())),
-        error.details(),
+        details,
         error.debug_error_string(),
     )

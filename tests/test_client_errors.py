@@ -16,6 +16,8 @@ from minilm_embed.client import (
     EmbeddingError,
     InvalidInput,
     Overloaded,
+    Security,
+    TooLarge,
     Unauthenticated,
     Unavailable,
 )
@@ -86,3 +88,71 @@ def test_async_client_raises_unavailable_too():
 
     with pytest.raises(Unavailable):
         asyncio.run(call())
+
+
+def test_a_message_over_the_size_limit_is_too_large_not_overloaded(server):
+    """gRPC refuses it as RESOURCE_EXHAUSTED, as a full queue; retried, it fails every time."""
+    texts = [f"{i} " + "a long text for a large request " * 3_000 for i in range(30)]  # ~3 MB
+    with EmbeddingClient(server.address, timeout=60) as c, pytest.raises(TooLarge) as e:
+        c.embed(texts)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in e.value.details() and not isinstance(e.value, Overloaded)
+
+
+def test_a_server_saying_not_serving_is_named_in_unavailable():
+    raw = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        "connections to all backends failing; last error: ipv4:127.0.0.1:1: backend unhealthy",
+    )
+    error = from_rpc_error(raw)
+    assert type(error) is Unavailable and "warming up, draining, or its engine stopped" in error.details()
+
+
+def test_token_ids_over_the_limit_are_refused_with_truncate_false(server):
+    ids = [101, *[2023] * 300, 102]
+    with EmbeddingClient(server.address, timeout=30) as c:
+        assert c.embed_ids([ids]).shape == (1, 384)  # cut at 256, as by default
+        with pytest.raises(InvalidInput, match="302 tokens, over the limit max_input_tokens=256"):
+            c.embed_ids([ids], truncate=False)
+
+
+def test_a_closed_client_raises_value_error_not_grpcs_own(server):
+    c = EmbeddingClient(server.address, timeout=30)
+    c.close()
+    c.close()
+    with pytest.raises(ValueError, match="the client is closed"):
+        c.info()
+
+    async def closed_async() -> None:
+        a = AsyncEmbeddingClient(server.address, timeout=30)
+        await a.info()
+        await a.close()
+        await a.close()
+        await a.info()
+
+    with pytest.raises(ValueError, match="the client is closed"):
+        asyncio.run(closed_async())
+
+
+def test_an_async_client_made_outside_a_loop_serves_the_loop_of_its_first_call(server):
+    """Made at import time it failed every call ("attached to a different loop"), and made after an
+    asyncio.run had ended its constructor raised."""
+    asyncio.run(asyncio.sleep(0))
+    c = AsyncEmbeddingClient(server.address, timeout=30)
+    assert asyncio.run(c.embed(["made before the loop"])).shape == (1, 384)
+    with pytest.raises(RuntimeError, match="make one client per event loop"):
+        asyncio.run(c.info())
+
+
+def test_settings_a_user_gets_wrong_are_refused_or_taken_as_meant(tmp_path):
+    assert Security(ca_cert=str(tmp_path / "ca.pem")).ca_cert == tmp_path / "ca.pem"
+    # A token read from a file keeps its newline; as a header it failed every call (INTERNAL).
+    assert Security(token="s3cret\n").metadata() == (("authorization", "Bearer s3cret"),)
+    with pytest.raises(ValueError, match="characters a header cannot carry"):
+        Security(token="s3c\x00ret")
+    with pytest.raises(ValueError, match="timeout is 0"):
+        EmbeddingClient("127.0.0.1:1", timeout=0)
+    with EmbeddingClient("127.0.0.1:1") as c, pytest.raises(TypeError, match="decode it to str"):
+        c.embed(b"hello")  # iterated, it was one int per byte
