@@ -255,8 +255,12 @@ class ModelRepository:
                 return g
         shipped = ", ".join(sorted({g.precision for g in graphs}))
         raise ModelRepositoryError(
-            f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped}); "
-            "int8 is built by `python -m minilm_embed.export --data-dir ...`"
+            f"{self.directory}: no {precision} graph for {provider} (shipped: {shipped})"
+            + (
+                "; int8 is built by `python -m minilm_embed.export --data-dir ...`"
+                if precision == "int8"
+                else ""
+            )
         )
 
 

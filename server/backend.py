@@ -169,6 +169,7 @@ class OnnxBackend:
         if providers[0] == CUDA_PROVIDER and self.provider != CUDA_PROVIDER:
             log.warning("a GPU is present but CUDA could not be loaded: falling back to %s", self.provider)
         self.precision: str = graph.precision
+        self.graph_sha256: str = graph.sha256
         self.load_seconds = time.perf_counter() - started
         log.info(
             "model on %s (%s, %s): %d instance(s) x %d thread(s), loaded in %.2fs",

@@ -43,6 +43,7 @@ class Backend(Protocol):
 
     provider: str
     precision: str
+    graph_sha256: str  # of the graph it runs (the manifest's record): what Info reports
     instances: int
     threads: int
     load_seconds: float
@@ -116,6 +117,9 @@ class Engine:
     facts: protocol.EngineFacts | None = None
     _waiting: list[bytes] = field(default_factory=list)  # fronts that said HELLO before the warm-up ended
     _requests: dict[tuple[bytes, int], Request] = field(default_factory=dict)
+    # Each front index's ZeroMQ identity: a front started again after dying says HELLO with its index
+    # from a new identity, and what its predecessor left queued is dropped then (`_forget`).
+    _fronts: dict[int, bytes] = field(default_factory=dict)
     _watchdog: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +157,7 @@ class Engine:
                 self.repo.manifest.tokenizer_sha256,
                 self.config.max_batch_size,
                 self.config.max_batch_tokens,
+                b.graph_sha256,
             )
             for identity in self._waiting:
                 self._channel.send([identity, *protocol.ready(self.facts)])
@@ -193,12 +198,33 @@ class Engine:
             if request is not None:
                 self.batcher.cancel(request)  # its inputs are dropped before compute
         elif kind == protocol.HELLO:
+            self._greet(protocol.parse_hello(frames), identity)
             if self.facts is None:
                 self._waiting.append(identity)
             else:
                 self._channel.send([identity, *protocol.ready(self.facts)])
         else:
             log.error("unknown message kind %r from a front; ignored", kind)
+
+    def _greet(self, front: int, identity: bytes) -> None:
+        previous = self._fronts.get(front)
+        self._fronts[front] = identity
+        if previous is not None and previous != identity:
+            self._forget(front, previous)
+
+    def _forget(self, front: int, identity: bytes) -> None:
+        """Front `front`'s previous process died (a new one said HELLO): nobody reads its answers, so
+        its requests' inputs not yet computed are dropped (counted as cancelled). Left queued, a front
+        killed with 344 inputs queued held a call sent after its restart for 25 s."""
+        gone = [key for key in self._requests if key[0] == identity]
+        for key in gone:
+            self.batcher.cancel(self._requests.pop(key))
+        if gone:
+            log.warning(
+                "front %d started again: the %d requests its previous process left are dropped",
+                front,
+                len(gone),
+            )
 
     def _submit(self, identity: bytes, frames: list[bytes]) -> None:
         message = protocol.parse_submit(frames)

@@ -128,7 +128,7 @@ def build_info(
     return pb.InfoResponse(
         model_id=manifest.model_id,
         weights_sha256=manifest.weights_sha256,
-        onnx_sha256=manifest.onnx_sha256,
+        onnx_sha256=facts.graph_sha256,
         dimensions=manifest.config.hidden_size,
         max_input_tokens=manifest.config.max_seq_length,
         vocab_size=vocab,

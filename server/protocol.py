@@ -60,6 +60,8 @@ class EngineFacts:
     # The batch limits the engine runs with: auto (0) settings resolved for its provider.
     max_batch_size: int
     max_batch_tokens: int
+    # The graph the engine runs: Info's onnx_sha256 (under --precision int8 it said the fp32 graph's).
+    graph_sha256: str
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,10 @@ def kind(frames: list[bytes]) -> bytes:
 
 def hello(front: int) -> list[bytes]:
     return [_HELLO.pack(HELLO, front)]
+
+
+def parse_hello(frames: list[bytes]) -> int:
+    return int(_HELLO.unpack(frames[0])[1])
 
 
 def submit(

@@ -35,6 +35,7 @@ class InstantBackend:
 
     provider = "CPUExecutionProvider"
     precision = "fp32"
+    graph_sha256 = ""  # runs no graph
     threads = 1
 
     def __init__(self, config: ServerConfig, repo: ModelRepository) -> None:
@@ -70,7 +71,7 @@ class FaultyBackend:
         self.real = real
         self.fault_ids = fault_ids
         self.hold_ids = hold_ids
-        self.provider, self.precision = real.provider, real.precision
+        self.provider, self.precision, self.graph_sha256 = real.provider, real.precision, real.graph_sha256
         self.instances, self.threads, self.load_seconds = real.instances, real.threads, real.load_seconds
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

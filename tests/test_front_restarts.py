@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.client.client import EmbeddingClient, embed_request
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.server.app import RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S, restart_delay
 from tests.reference import Reference
@@ -118,3 +118,36 @@ def test_a_front_restarted_onto_a_changed_repository_refuses_to_tokenize_for_it(
         )
         assert server.proc.poll() is None  # the supervisor goes on retrying the front, with backoff
         assert not served_again(server, 1, timeout=2)
+
+
+def sample(server: ServerProcess, name: str, **labels: str) -> float:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_what_a_killed_front_left_queued_is_dropped_once_its_successor_says_hello(model_dir: Path) -> None:
+    """Nobody reads a dead front's answers. Left queued, 344 inputs held a call sent after the
+    restart for 25 s; now the engine drops them when the front's successor says HELLO."""
+    long_text = "several words for the model to read, " * 40  # ~250 tokens
+    with serving("--front-processes", "1") as server, EmbeddingClient(server.address, timeout=120) as c:
+        pending = [
+            c.stub.Embed.future(embed_request([f"{r}.{i} {long_text}" for i in range(64)]), timeout=120)
+            for r in range(12)
+        ]
+        assert wait_for(lambda: sample(server, "embed_queue_depth") > 300, timeout=60)
+        dead, _ = kill_the_front(server)
+        wait_for_a_new_front(server, dead)
+        assert served_again(server, 1), "".join(server.lines[-10:])
+        assert wait_for(lambda: sample(server, "embed_queue_depth") == 0, timeout=10)
+        assert any("requests its previous process left are dropped" in line for line in server.lines)
+        assert c.embed([SENTENCE]).shape == (1, 384)
+        # Counted once the batcher sweeps them out, by the next batch at the latest.
+        assert sample(server, "embed_inputs_dropped_total", reason="cancelled") > 200
+    for future in pending:  # their front died: the caller sees the connection go, not an answer
+        assert future.exception() is not None

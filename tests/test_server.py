@@ -450,6 +450,21 @@ def test_tokenize_matches_the_model_tokenizer(client, reference):
     assert (full.usage.tokens, full.usage.truncated) == (414, False)
 
 
+def test_an_int8_server_says_so_and_names_the_int8_graph(client, model_dir):
+    """Info's onnx_sha256 is the graph served: under --precision int8 it named the fp32 graph's."""
+    graphs = {g["precision"]: g for g in json.loads((model_dir / "manifest.json").read_text())["graphs"]}
+    if "int8" not in graphs:
+        pytest.skip("the model repository ships no int8 graph (built without --data-dir)")
+    with serving("--precision", "int8") as server, EmbeddingClient(server.address, timeout=60) as c:
+        info = c.info()
+        int8 = c.embed(SHORT[:8])
+    assert info.precision == pb.PRECISION_INT8
+    assert info.onnx_sha256 == graphs["int8"]["sha256"] != graphs["fp32"]["sha256"]
+    assert client.info().onnx_sha256 == graphs["fp32"]["sha256"]
+    cosines = (int8 * client.embed(SHORT[:8])).sum(axis=1)
+    assert cosines.min() >= 0.98  # the int8 gate's floor against fp32 (README)
+
+
 def test_info_describes_the_model_and_the_limits_set_by_flags(client, model_dir):
     info = client.info()
     manifest = json.loads((model_dir / "manifest.json").read_text())
