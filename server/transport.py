@@ -109,14 +109,15 @@ class EngineClient:
         self._channel.close()
         self._context.term()
 
-    def engine_gone(self, reason: str) -> None:
-        """Every waiting call and every later one gets UNAVAILABLE naming the reason."""
+    def engine_gone(self, reason: str) -> int:
+        """Every waiting call and every later one gets UNAVAILABLE naming the reason; how many waited."""
         self.gone = reason
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(NotReady(reason))
+        waiting = [future for future in self._pending.values() if not future.done()]
+        for future in waiting:
+            future.set_exception(NotReady(reason))
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(NotReady(reason))
+        return len(waiting)
 
     def _receive(self, frames: list[bytes]) -> None:
         if protocol.kind(frames) == protocol.READY:

@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -725,22 +726,45 @@ def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
 
-def test_a_call_outlasting_the_drain_timeout_is_cancelled_and_the_log_says_so():
-    """HOLD_TEXT holds its batch for HOLD_S (4 s) on the fault server, past a 1 s drain."""
+def _post_embeddings(port: int, body: dict, answers: list) -> None:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/embeddings",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answers.append((response.status, response.headers, response.read()))
+    except urllib.error.HTTPError as e:
+        answers.append((e.code, e.headers, e.read()))
+
+
+def test_a_call_outlasting_the_drain_timeout_is_answered_unavailable_and_the_log_says_so():
+    """HOLD_TEXT holds its batch for HOLD_S (4 s) on the fault server, past a 1 s drain. Both APIs'
+    calls get UNAVAILABLE naming the drain timeout; HTTP's got a bare 500 and a traceback in the log."""
     with serving("--drain-timeout-s", "1", entry=fault_entry("__fault__")) as server:
         with grpc.insecure_channel(server.address) as channel:
             held = pb_grpc.EmbeddingServiceStub(channel).Embed.future(embed_request([HOLD_TEXT]), timeout=30)
-            time.sleep(0.5)  # taken into a batch
+            answers: list = []
+            http = threading.Thread(
+                target=_post_embeddings, args=(server.http_port, {"input": HOLD_TEXT}, answers)
+            )
+            http.start()
+            time.sleep(0.5)  # both taken into batches
             server.terminate()
             ended = held.exception(30)
+            http.join(30)
         assert server.wait(30) == 0
     assert isinstance(ended, grpc.RpcError) and ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+    assert "its drain timeout, 1 s, passed" in ended.details(), ended.details()
+    ((code, headers, body),) = answers
+    assert code == 503 and headers["Retry-After"] == "1", (code, body)
+    assert "its drain timeout, 1 s, passed" in json.loads(body)["error"]["message"]
+    assert not [line for line in server.lines if "Exception in ASGI application" in line]
     said = [line for line in server.lines if "drain" in line]
     assert any("front 0: draining: 1 calls being served, 0 waiting" in line for line in said), said
-    assert any(
-        "WARNING" in line and "front 0: gRPC: calls open past the drain timeout (1s) were cancelled" in line
-        for line in said
-    ), said
+    cut = "front 0: 2 calls still waiting for the engine at the drain timeout (1s) were answered UNAVAILABLE"
+    assert any("WARNING" in line and cut in line for line in said), said
 
 
 def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycle, reference):
