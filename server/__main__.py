@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
     try:
         config = load_config(argv, os.environ)
         configure_process(config)
-        return serve(config, backend_factory or onnx_backend)
+        return serve(config, backend_factory or onnx_backend, os.environ)
     except (ConfigError, ModelRepositoryError, SecurityConfigError, StartupError, ValueError, OSError) as e:
         print(f"server: error: {e}", file=sys.stderr)
         return 2

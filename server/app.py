@@ -18,13 +18,16 @@ watches its children:
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import multiprocessing
 import os
 import signal
+import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -37,7 +40,15 @@ from prometheus_client import multiprocess
 from minilm_embed.model.repository import CUDA_PROVIDER
 from minilm_embed.server import signals
 from minilm_embed.server.backend import usable_cores, wanted_providers
-from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.config import (
+    ConfigError,
+    ListenAddress,
+    ServerConfig,
+    check_tls,
+    check_token,
+    setting,
+    unknown_variables,
+)
 from minilm_embed.server.engine import BackendFactory, onnx_backend, run_engine
 from minilm_embed.server.front import Place, configure_logging, reuseport_socket, run_front
 from minilm_embed.server.metrics import SupervisorMetrics
@@ -93,18 +104,48 @@ def restart_delay(previous: float, served_s: float) -> float:
     return min(RESTART_MAX_S, 2.0 * previous)
 
 
+def cannot_listen(name: str, where: ListenAddress, error: OSError) -> ConfigError:
+    """The one line for an address a setting names that cannot be listened on."""
+    if error.errno == errno.EADDRINUSE:
+        return ConfigError(f"{setting(name)} {where} is in use: another server listening there?")
+    if isinstance(error, socket.gaierror):
+        return ConfigError(f"{setting(name)} {where}: cannot resolve {where.host!r} ({error.strerror})")
+    return ConfigError(f"{setting(name)} {where}: cannot listen there ({error.strerror or error})")
+
+
+def check_ports(config: ServerConfig) -> None:
+    """Refuse an address another process listens on, before any socket of ours is bound.
+
+    Our own sockets take SO_REUSEPORT (every front binds the port), and so would a stale second server
+    started as the same user: the kernel would share the port between the two, silently. A probe
+    without it is refused by any listener there; with SO_REUSEADDR, connections in TIME_WAIT are not."""
+    for name, where in config.listen_addresses().items():
+        with socket.socket(where.family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((where.host, where.port))
+            except OSError as e:
+                raise cannot_listen(name, where, e) from None
+
+
 @contextmanager
-def reserved_port(address: str) -> Iterator[str]:
-    """Hold `address`'s port (resolving port 0) with SO_REUSEPORT while the fronts bind it too."""
-    with reuseport_socket(address) as sock:
-        yield f"{address.rpartition(':')[0]}:{sock.getsockname()[1]}"
+def reserved_port(config: ServerConfig, name: str) -> Iterator[str]:
+    """Hold the port of setting `name`'s address (resolving port 0) with SO_REUSEPORT while the fronts
+    bind it too; its address with that port."""
+    where = config.listen_addresses()[name]
+    try:
+        sock = reuseport_socket(str(where))
+    except OSError as e:
+        raise cannot_listen(name, where, e) from None
+    with sock:
+        yield str(dataclasses.replace(where, port=sock.getsockname()[1]))
 
 
 @contextmanager
 def reserved_ports(config: ServerConfig) -> Iterator[tuple[str, str]]:
     """The gRPC address and the HTTP address ("" when off), each with a concrete port, held."""
-    http = reserved_port(config.http_address) if config.http_address else nullcontext("")
-    with reserved_port(config.address) as address, http as http_address:
+    http = reserved_port(config, "http_address") if config.http_address else nullcontext("")
+    with reserved_port(config, "address") as address, http as http_address:
         yield address, http_address
 
 
@@ -298,14 +339,40 @@ def _join(process: BaseProcess, deadline: float) -> int:
 
 
 def check_security(config: ServerConfig) -> None:
-    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError)."""
-    load_token(config.auth_token, config.auth_token_file)
+    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError, ConfigError)."""
+    try:
+        token = load_token(config.auth_token, config.auth_token_file)
+    except UnicodeDecodeError:
+        where = f"{setting('auth_token_file')} {config.auth_token_file}"
+        raise ConfigError(f"{where}: not UTF-8 text") from None
+    if token:
+        check_token(token, config)
     server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    check_tls(config)
 
 
-def serve(config: ServerConfig, backend_factory: BackendFactory = onnx_backend) -> int:
-    """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1)."""
+def warn_of_unknown_variables(environ: Mapping[str, str]) -> None:
+    """One warning naming EMBED_* variables that are no setting: a misspelt one is otherwise ignored."""
+    unknown = unknown_variables(environ)
+    if unknown:
+        named = ", ".join(
+            f"{name} (closest setting: {closest})" if closest else f"{name} (no setting close to it)"
+            for name, closest in unknown
+        )
+        log.warning("ignoring EMBED_* variables that are no server setting: %s", named)
+
+
+def serve(
+    config: ServerConfig,
+    backend_factory: BackendFactory = onnx_backend,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1).
+    `environ`, the environment load_config read: its EMBED_* variables that are no setting are named
+    in one warning, once logging is set up."""
     check_security(config)
+    check_ports(config)
+    warn_of_unknown_variables(environ or {})
     with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:
         metrics_dir = Path(run_dir) / "metrics"
         metrics_dir.mkdir()
@@ -329,9 +396,12 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
     stop = signals.catch()  # holds any signal that came while the server was still importing
     if supervisor.config.metrics_address:  # first: a port in use fails here, before any child starts
         registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
-        host = supervisor.config.metrics_address.rpartition(":")[0] or "0.0.0.0"
-        port = serve_metrics(registry, supervisor.config.metrics_address)
-        log.info("metrics on %s:%d/metrics", host, port)
+        where = supervisor.config.listen_addresses()["metrics_address"]
+        try:  # host:port unbracketed, as serve_metrics splits it ([::1] is no host to resolve)
+            port = serve_metrics(registry, f"{where.host}:{where.port}")
+        except OSError as e:
+            raise cannot_listen("metrics_address", where, e) from None
+        log.info("metrics on %s/metrics", dataclasses.replace(where, port=port))
     try:
         os.environ.update(ENGINE_MALLOC)
         supervisor.start_engine()

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import itertools
+import math
+import re
+import socket
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +29,56 @@ class ConfigError(Exception):
 
 
 ENV_PREFIX = "EMBED_"
+# EMBED_* variables the project reads that are not server settings: the client's (client/__main__.py;
+# EMBED_ADDRESS it shares with the server), the data directory the Makefile exports to every tool,
+# and the soak's length (tests/reliability). A server started beside them must not warn of them.
+OTHER_VARIABLES = frozenset({"EMBED_TOKEN", "EMBED_CA_CERT", "EMBED_DATA_DIR", "EMBED_SOAK_SECONDS"})
+LISTEN_SETTINGS = ("address", "http_address", "metrics_address")
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+# What an HTTP/2 header value may carry (RFC 9113 8.2.1), as the client checks its token: printable
+# ASCII, spaces only inside.
+_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+
+
+def setting(name: str) -> str:
+    """How a message names a setting: its flag and its variable, `--max-padding (EMBED_MAX_PADDING)`."""
+    return f"--{name.replace('_', '-')} ({env_name(name)})"
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """host:port, IPv6 hosts in brackets ([::1]:50051); port 0 picks a free port."""
+
+    host: str  # without brackets; an empty host is 0.0.0.0 (every IPv4 interface), as HTTP always read it
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def family(self) -> socket.AddressFamily:
+        return socket.AF_INET6 if ":" in self.host else socket.AF_INET
+
+    def clashes(self, other: ListenAddress) -> bool:
+        """Whether both ask for one port (port 0 never does) on one host, or on every host."""
+        hosts = {self.host.lower(), other.host.lower()}
+        return self.port == other.port != 0 and (len(hosts) == 1 or bool(hosts & set(WILDCARD_HOSTS)))
+
+
+def listen_address(text: str) -> ListenAddress:
+    """`text` read as host:port; ValueError says what is wrong with it."""
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        raise ValueError("no port: give host:port (port 0 picks a free port)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("an IPv6 host goes in brackets, as in [::1]:50051")
+    if "[" in host or "]" in host:
+        raise ValueError("brackets go around a whole IPv6 host, as in [::1]:50051")
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"the port must be a number from 0 to 65535, not {port!r}")
+    return ListenAddress(host or "0.0.0.0", int(port))
 
 
 @dataclass(frozen=True)
@@ -105,6 +161,11 @@ class ServerConfig:
     auth_token_file: str = ""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{setting(f.name)} must be a finite number, not {value}")
+        self._read_listen_addresses()
         positive = (
             "max_inputs_per_request",
             "queue_limit",
@@ -163,6 +224,27 @@ class ServerConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
 
+    def _read_listen_addresses(self) -> None:
+        """Each address checked and written one way (host:port, [v6]:port), and no port asked twice."""
+        if not self.address:
+            raise ValueError(f"{setting('address')} is empty: gRPC is always served; give host:port")
+        for name in LISTEN_SETTINGS:
+            text = getattr(self, name)
+            if text:  # an empty HTTP or metrics address: off
+                try:
+                    object.__setattr__(self, name, str(listen_address(text)))
+                except ValueError as e:
+                    raise ValueError(f"{setting(name)} {text!r}: {e}") from None
+        for (a, x), (b, y) in itertools.combinations(self.listen_addresses().items(), 2):
+            if x.clashes(y):
+                raise ValueError(
+                    f"{setting(a)} {x} and {setting(b)} {y} both ask for port {x.port}: give each its own"
+                )
+
+    def listen_addresses(self) -> dict[str, ListenAddress]:
+        """Where the server listens, by setting: gRPC, then HTTP and /metrics when they are on."""
+        return {name: listen_address(getattr(self, name)) for name in LISTEN_SETTINGS if getattr(self, name)}
+
 
 # The batch limits `0` (auto) stands for, by execution provider (rows, padded tokens): on the CPU
 # 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H100's in-process
@@ -182,7 +264,10 @@ def batch_limits_for(config: ServerConfig, provider: str) -> ServerConfig:
 
 
 _HELP = {
-    "address": "gRPC listen address host:port (port 0 picks a free port)",
+    "address": (
+        "gRPC listen address host:port or [IPv6]:port (an empty host: every IPv4 interface; port 0 "
+        "picks a free port; no two listen addresses may share a port)"
+    ),
     "http_address": (
         "HTTP listen address host:port of the OpenAI-compatible /v1/embeddings, /v1/models and /health "
         "(port 0 picks a free port; empty: off)"
@@ -251,7 +336,7 @@ _HELP = {
     "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
     "exits 1 (0: never)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
-    "metrics_address": "host:port of the Prometheus /metrics endpoint (empty: off)",
+    "metrics_address": "host:port or [IPv6]:port of the Prometheus /metrics endpoint (empty: off)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json (one JSON object per line); lines about a request carry its id",
     "otlp_endpoint": (
@@ -301,6 +386,77 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Serve
     """Flags override environment variables, which override the defaults."""
     args = build_parser(environ).parse_args(argv)
     try:
-        return ServerConfig(**vars(args))
+        config = ServerConfig(**vars(args))
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    for name in ("auth_token", "auth_token_file"):
+        # An empty variable is most often a secret that did not arrive: serving open would hide it.
+        if environ.get(env_name(name)) == "" and not (config.auth_token or config.auth_token_file):
+            raise ConfigError(f"{env_name(name)} is set but empty: unset it to serve without authentication")
+    return config
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """EMBED_* variables that are no setting (nor another part of the project's), each with the
+    setting whose name is closest to it, if one is close (difflib, 0.5: DEVCE is DEVICE, FOO is none)."""
+    fields = [f.name for f in dataclasses.fields(ServerConfig)]
+    known = {env_name(name) for name in fields} | OTHER_VARIABLES
+    unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+    return [(name, _closest_setting(name, fields)) for name in unknown]
+
+
+def _closest_setting(variable: str, fields: list[str]) -> str | None:
+    close = difflib.get_close_matches(variable.removeprefix(ENV_PREFIX).lower(), fields, n=1, cutoff=0.5)
+    return env_name(close[0]) if close else None
+
+
+def check_token(token: str, config: ServerConfig) -> None:
+    """Refuse a bearer token no header can carry (every call would be UNAUTHENTICATED); never print it."""
+    if not _HEADER_VALUE.fullmatch(token):
+        where = (
+            f"{setting('auth_token_file')} {config.auth_token_file}"
+            if config.auth_token_file
+            else setting("auth_token")
+        )
+        raise ConfigError(
+            f"{where}: the token holds what no header can carry (a line break, a control character, "
+            "a non-ASCII character, or spaces around it): printable ASCII only, on one line"
+        )
+
+
+def check_tls(config: ServerConfig) -> None:
+    """Refuse TLS files that do not parse, or a key that is not the certificate's, with the ssl module
+    (uvicorn's own): gRPC would only fail once the model is warm, as 'Failed to bind to address'."""
+    if config.tls_cert and config.tls_key:
+        _check_certificate(config.tls_cert, "tls_cert")
+        try:
+            # No password: an encrypted key is refused, not asked for on the terminal.
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                config.tls_cert, config.tls_key, password=lambda: b""
+            )
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise ConfigError(
+                    f"{setting('tls_key')} {config.tls_key} does not match {setting('tls_cert')} "
+                    f"{config.tls_cert} ({_reason(e)})"
+                ) from None
+            raise ConfigError(
+                f"{setting('tls_key')} {config.tls_key}: no PEM private key could be read (an "
+                f"unencrypted one) ({_reason(e)})"
+            ) from None
+    if config.tls_client_ca:
+        _check_certificate(config.tls_client_ca, "tls_client_ca")
+
+
+def _check_certificate(path: str, name: str) -> None:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        raise ConfigError(
+            f"{setting(name)} {path}: no PEM certificate could be read ({_reason(e)})"
+        ) from None
+
+
+def _reason(error: ssl.SSLError) -> str:
+    """OpenSSL's reason (KEY_VALUES_MISMATCH), or its message without the C source's line number."""
+    return error.reason or re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(error.args[-1]))

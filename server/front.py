@@ -45,7 +45,7 @@ from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__, logs, protocol
 from minilm_embed.server.budget import Budget, held_bytes_budget, request_bytes_budget, tokenizing_budget
-from minilm_embed.server.config import ServerConfig
+from minilm_embed.server.config import ServerConfig, listen_address
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
@@ -146,14 +146,16 @@ def build_info(
 
 def reuseport_socket(address: str) -> socket.socket:
     """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port."""
-    host, _, port = address.rpartition(":")
-    bare = host.strip("[]")
-    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    where = listen_address(address)
     # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP;
     # without it a response's header and body writes met delayed ACKs (40 ms per HTTP call).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((bare or "0.0.0.0", int(port)))
+    sock = socket.socket(where.family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((where.host, where.port))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 

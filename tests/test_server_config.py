@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -19,7 +21,8 @@ from minilm_embed.server.config import (
     env_name,
     load_config,
 )
-from tests.server_process import loopback_command, model_dir, start_server
+from tests.server_process import loopback_command, model_dir, serving, start_server
+from tests.test_security import _authority
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
@@ -30,7 +33,11 @@ SPECIAL = {
     "log_format": ("json", "text"),  # one value besides the default: the flag wins back to it
     "precision": ("fp32", "int8"),
     "max_padding": ("0.3", "0.7"),
+    "address": ("127.0.0.1:50061", "[::1]:50071"),
+    "http_address": ("127.0.0.1:8081", "0.0.0.0:8082"),
+    "metrics_address": ("127.0.0.1:9465", "[::]:9466"),
 }
+FLOATS = [name for name in FIELDS if isinstance(getattr(ServerConfig(), name), float)]
 
 
 def two_values(name: str) -> tuple[str, str]:
@@ -112,9 +119,22 @@ def test_auto_batch_limits_follow_the_provider_and_set_ones_stay(rows, tokens, p
     assert (config.max_batch_size, config.max_batch_tokens) == resolved
 
 
-def run_server(*args: str) -> subprocess.CompletedProcess[str]:
+def run_server(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     command = loopback_command("--model-dir", str(model_dir()), *args)
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    environment = {**os.environ, **(env or {})}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
+    """The one line a server that cannot use its settings prints: it exits 2, no traceback, no child
+    started (a server that serves instead fails this by its timeout)."""
+    done = run_server(*args, env=env, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("server: error: "), done.stderr
+    return lines[0].removeprefix("server: error: ")
 
 
 @pytest.mark.parametrize(
@@ -129,18 +149,6 @@ def test_server_process_refuses_invalid_settings_without_a_traceback(args, messa
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
-
-
-def test_a_metrics_port_in_use_is_refused_before_any_child_starts():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        done = run_server("--metrics-address", f"127.0.0.1:{port}")
-    assert done.returncode == 2
-    assert "server: error:" in done.stderr and "Address already in use" in done.stderr
-    assert "Traceback" not in done.stderr, done.stderr  # children once crashed as the run dir went
-    assert "front" not in done.stderr and "engine" not in done.stderr
 
 
 def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():
@@ -185,3 +193,326 @@ def test_the_tokenizing_budget_refuses_what_never_fits_and_what_does_not_fit_now
     budget.release(60)
     budget.reserve(100)
     assert budget.in_use == 100
+
+
+# Listen addresses -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--address", "127.0.0.1:99999"], {}, "--address (EMBED_ADDRESS) '127.0.0.1:99999': the port"),
+        (
+            ["--http-address", "127.0.0.1:-5"],
+            {},
+            "--http-address (EMBED_HTTP_ADDRESS) '127.0.0.1:-5': the port",
+        ),
+        (
+            [],
+            {"EMBED_METRICS_ADDRESS": "127.0.0.1:x"},
+            "--metrics-address (EMBED_METRICS_ADDRESS) '127.0.0.1:x'",
+        ),
+        (["--address", "127.0.0.1"], {}, "--address (EMBED_ADDRESS) '127.0.0.1': no port"),
+        (
+            ["--metrics-address", "localhost"],
+            {},
+            "--metrics-address (EMBED_METRICS_ADDRESS) 'localhost': no port",
+        ),
+        (["--address", ""], {}, "--address (EMBED_ADDRESS) is empty"),
+        (
+            ["--address", "::1:50051"],
+            {},
+            "--address (EMBED_ADDRESS) '::1:50051': an IPv6 host goes in brackets",
+        ),
+    ],
+)
+def test_listen_addresses_that_cannot_be_used_are_refused_naming_the_setting(argv, env, message, capsys):
+    assert message in refusal(argv, env, capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "value"),
+    [
+        (["--address", ":51401"], "address", "0.0.0.0:51401"),  # an empty host: every IPv4 interface
+        (["--http-address", ":8181"], "http_address", "0.0.0.0:8181"),
+        (["--metrics-address", "[::1]:19401"], "metrics_address", "[::1]:19401"),
+        (["--address", "[::]:50051"], "address", "[::]:50051"),
+        (["--http-address", ""], "http_address", ""),  # off
+        (["--metrics-address", ""], "metrics_address", ""),
+        (["--address", "localhost:0"], "address", "localhost:0"),
+    ],
+)
+def test_listen_addresses_are_read_alike_for_the_three_settings(argv, name, value):
+    assert getattr(load_config(argv, {}), name) == value
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "first", "second", "port"),
+    [
+        (
+            ["--address", "127.0.0.1:5000", "--http-address", "127.0.0.1:5000"],
+            {},
+            "--address",
+            "--http-address",
+            5000,
+        ),
+        (
+            ["--address", "0.0.0.0:5001", "--metrics-address", "127.0.0.1:5001"],
+            {},
+            "--address",
+            "--metrics-address",
+            5001,
+        ),
+        (
+            ["--http-address", "[::]:5002", "--metrics-address", "10.0.0.1:5002"],
+            {},
+            "--http-address",
+            "--metrics-address",
+            5002,
+        ),
+        (
+            ["--address", ":5003"],
+            {"EMBED_HTTP_ADDRESS": "127.0.0.1:5003"},
+            "--address",
+            "--http-address",
+            5003,
+        ),
+        (
+            ["--http-address", "127.0.0.1:9464"],
+            {},
+            "--http-address",
+            "--metrics-address",
+            9464,
+        ),  # the default's
+    ],
+)
+def test_two_settings_on_one_port_are_refused_naming_both(argv, env, first, second, port, capsys):
+    """gRPC and HTTP on one port once started 'serving', /health answered 200, every gRPC call failed."""
+    message = refusal(argv, env, capsys)
+    assert first in message and second in message and f"port {port}" in message
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--metrics-address", "0.0.0.0:0"],
+        ["--address", "127.0.0.1:5004", "--http-address", "127.0.0.2:5004", "--metrics-address", ""],
+    ],
+)
+def test_port_0_or_other_hosts_are_no_clash(argv):
+    load_config(argv, {})
+
+
+def test_a_port_out_of_range_is_refused_by_the_server_without_a_traceback():
+    line = refused_at_start("--address", "127.0.0.1:99999")
+    assert "--address (EMBED_ADDRESS) '127.0.0.1:99999'" in line and "65535" in line
+
+
+def test_an_empty_host_and_a_bracketed_ipv6_host_serve():
+    """`:port` (every IPv4 interface) for gRPC, as HTTP and /metrics read it, and [::1] for /metrics."""
+    with serving("--address", ":0", "--metrics-address", "[::1]:0") as server:
+        with EmbeddingClient(server.address, timeout=30) as c:  # 127.0.0.1: one of every interface
+            assert c.embed(["x"]).shape == (1, 384)
+        with socket.create_connection(("::1", server.metrics_port), timeout=5) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert sock.recv(12).startswith(b"HTTP/1.0 200")
+
+
+def held_port(reuseport: bool) -> socket.socket:
+    """A port another process listens on; with SO_REUSEPORT, as a stale second server would."""
+    sock = socket.socket()
+    if reuseport:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("name", "reuseport"), [("address", True), ("http_address", False), ("metrics_address", True)]
+)
+def test_a_port_another_process_listens_on_is_refused_before_any_child_starts(name, reuseport):
+    """With SO_REUSEPORT the kernel once split connections between the two servers, silently."""
+    with held_port(reuseport) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        line = refused_at_start(flag(name), address)
+    assert line == f"{flag(name)} ({env_name(name)}) {address} is in use: another server listening there?"
+
+
+def test_a_host_that_does_not_resolve_is_refused_naming_the_setting():
+    line = refused_at_start("--http-address", "no-such-host.invalid:0")
+    assert line.startswith("--http-address (EMBED_HTTP_ADDRESS) no-such-host.invalid:0: cannot resolve")
+
+
+# Numbers --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FLOATS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_float_settings_must_be_finite(name, value, capsys):
+    message = refusal([f"{flag(name)}={value}"], {}, capsys)
+    assert message.startswith(f"{flag(name)} ({env_name(name)}) must be a finite number, not {value}")
+    assert f"must be a finite number, not {value}" in refusal([], {env_name(name): value}, capsys)
+
+
+def test_an_infinite_drain_timeout_is_refused_by_the_server_without_a_traceback():
+    line = refused_at_start("--drain-timeout-s", "inf")
+    assert line == "--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a finite number, not inf"
+
+
+# TLS files ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two self-signed certificates with their keys, and a file that is no PEM at all."""
+    d = tmp_path_factory.mktemp("tls")
+    _authority(d, "one")
+    _authority(d, "two")
+    (d / "junk.pem").write_text("not a certificate\n")
+    return {stem: d / stem for stem in ("one.pem", "one.key", "two.key", "junk.pem")}
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "client_ca", "named", "message"),
+    [
+        ("junk.pem", "one.key", "", "junk.pem", "--tls-cert (EMBED_TLS_CERT) {}: no PEM certificate"),
+        ("one.pem", "junk.pem", "", "junk.pem", "--tls-key (EMBED_TLS_KEY) {}: no PEM private key"),
+        ("one.pem", "two.key", "", "two.key", "--tls-key (EMBED_TLS_KEY) {} does not match --tls-cert"),
+        ("one.pem", "one.key", "junk.pem", "junk.pem", "--tls-client-ca (EMBED_TLS_CLIENT_CA) {}: no PEM"),
+    ],
+)
+def test_tls_files_that_do_not_parse_or_match_are_refused_before_the_model_loads(
+    tls_files, cert, key, client_ca, named, message
+):
+    """They once failed after the model warmed up, as 'Failed to bind to address'."""
+    from minilm_embed.server.app import check_security
+
+    config = ServerConfig(
+        tls_cert=str(tls_files[cert]),
+        tls_key=str(tls_files[key]),
+        tls_client_ca=str(tls_files[client_ca]) if client_ca else "",
+    )
+    with pytest.raises(ConfigError) as e:
+        check_security(config)
+    assert str(e.value).startswith(message.format(tls_files[named]))
+    assert re.search(r"\((KEY_VALUES_MISMATCH|NO_CERTIFICATE_OR_CRL_FOUND|\[SSL\] PEM lib)\)$", str(e.value))
+
+
+def test_a_tls_key_not_matching_its_certificate_is_refused_by_the_server(tls_files):
+    args = ("--tls-cert", str(tls_files["one.pem"]), "--tls-key", str(tls_files["two.key"]))
+    line = refused_at_start(*args)
+    assert line.startswith(f"--tls-key (EMBED_TLS_KEY) {tls_files['two.key']} does not match --tls-cert")
+
+
+def test_matching_tls_files_pass(tls_files):
+    from minilm_embed.server.app import check_security
+
+    check_security(ServerConfig(tls_cert=str(tls_files["one.pem"]), tls_key=str(tls_files["one.key"])))
+
+
+# Tokens ---------------------------------------------------------------------------------------------
+
+
+SECRET = "s3cret-token"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        (SECRET + "\nsecond-line\n").encode(),
+        (SECRET + "\x01\n").encode(),
+        "s3cret-tökén".encode(),
+    ],
+)
+def test_a_token_file_no_header_can_carry_is_refused_naming_the_file(tmp_path, content):
+    """Every call was once UNAUTHENTICATED: gRPC metadata holds printable ASCII only."""
+    from minilm_embed.server.app import check_security
+
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        check_security(ServerConfig(auth_token_file=str(path)))
+    assert str(e.value).startswith(f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {path}: ")
+    assert "s3cret" not in str(e.value)
+
+
+def test_a_token_file_that_is_not_utf8_is_refused_naming_the_file(tmp_path):
+    from minilm_embed.server.app import check_security
+
+    path = tmp_path / "token"
+    path.write_bytes(b"s3cret-\xff\xfe")
+    with pytest.raises(ConfigError) as e:
+        check_security(ServerConfig(auth_token_file=str(path)))
+    assert str(e.value).startswith(f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {path}: not UTF-8 text")
+
+
+@pytest.mark.parametrize("token", [SECRET + "\n", SECRET + "\r\nx", " " + SECRET, SECRET + "\x7f"])
+def test_a_token_no_header_can_carry_is_refused_without_printing_it(token):
+    from minilm_embed.server.app import check_security
+
+    with pytest.raises(ConfigError) as e:
+        check_security(load_config([], {"EMBED_AUTH_TOKEN": token}))
+    assert str(e.value).startswith("--auth-token (EMBED_AUTH_TOKEN): ")
+    assert "s3cret" not in str(e.value)
+
+
+def test_a_printable_token_passes():
+    from minilm_embed.server.app import check_security
+
+    check_security(load_config([], {"EMBED_AUTH_TOKEN": "Abc.123_~+/= inner space"}))
+
+
+@pytest.mark.parametrize("name", ["EMBED_AUTH_TOKEN", "EMBED_AUTH_TOKEN_FILE"])
+def test_a_token_variable_set_but_empty_is_refused(name, capsys):
+    """A missing secret once turned authentication off without a word."""
+    assert refusal([], {name: ""}, capsys) == (
+        f"{name} is set but empty: unset it to serve without authentication"
+    )
+
+
+def test_an_empty_token_variable_beside_a_token_file_is_no_harm(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(SECRET)
+    assert load_config(["--auth-token-file", str(path)], {"EMBED_AUTH_TOKEN": ""}).auth_token_file
+
+
+# Unknown variables ----------------------------------------------------------------------------------
+
+
+def test_misspelled_variables_are_named_with_the_closest_setting():
+    from minilm_embed.server.config import unknown_variables
+
+    env = {"EMBED_MAX_BATCH_SIZ": "8", "EMBED_DEVCE": "cpu", "EMBED_DEVICE": "cpu", "HOME": "/root"}
+    assert unknown_variables({**env, "EMBED_FOO": "1"}) == [
+        ("EMBED_DEVCE", "EMBED_DEVICE"),
+        ("EMBED_FOO", None),  # nothing close: no setting is suggested
+        ("EMBED_MAX_BATCH_SIZ", "EMBED_MAX_BATCH_SIZE"),
+    ]
+
+
+SHIPPED = ["Makefile", "Dockerfile", "docker-compose.yml", "deploy", "scripts", "client", "tests/conftest.py"]
+
+
+def test_no_variable_the_project_itself_sets_or_reads_is_taken_for_a_misspelling():
+    """The client's variables, the data directory, the soak's length: every EMBED_ name in what ships."""
+    from minilm_embed.server.config import unknown_variables
+
+    names = set()
+    for entry in SHIPPED:
+        path = ROOT / entry
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            names |= set(re.findall(r"EMBED_[A-Z0-9_]*[A-Z0-9]", file.read_text(errors="replace")))
+    names |= {"EMBED_SOAK_SECONDS"}  # tests/reliability/conftest.py
+    assert {"EMBED_DATA_DIR", "EMBED_TOKEN", "EMBED_CA_CERT", "EMBED_ADDRESS"} <= names
+    assert unknown_variables(dict.fromkeys(names, "x")) == []
+
+
+def test_the_server_warns_once_of_variables_that_are_no_setting():
+    env = {"EMBED_MAX_BATCH_SIZ": "8", "EMBED_DEVCE": "cpu", "EMBED_DATA_DIR": "/data", "EMBED_TOKEN": "t"}
+    with serving(env=env) as server:
+        warnings = [line for line in server.lines if "WARNING" in line]
+    assert len(warnings) == 1, warnings
+    assert "EMBED_DEVCE (closest setting: EMBED_DEVICE)" in warnings[0]
+    assert "EMBED_MAX_BATCH_SIZ (closest setting: EMBED_MAX_BATCH_SIZE)" in warnings[0]
+    assert "EMBED_DATA_DIR" not in warnings[0] and "EMBED_TOKEN" not in warnings[0]
