@@ -84,6 +84,8 @@ class Contract:
         return OK
 
     def embed(self, r: pb.EmbedRequest) -> Expect:
+        if r.format not in pb.EmbeddingFormat.values():  # proto3 keeps a number the enum lacks
+            return Expect(INVALID, f"format is {r.format}, not an EmbeddingFormat")
         if r.texts and r.token_ids:
             return Expect(INVALID, "either `texts` or `token_ids`")
         truncate = r.truncate if r.HasField("truncate") else True
