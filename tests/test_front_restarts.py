@@ -146,7 +146,9 @@ def test_what_a_killed_front_left_queued_is_dropped_once_its_successor_says_hell
         assert served_again(server, 1), "".join(server.lines[-10:])
         assert wait_for(lambda: sample(server, "embed_queue_depth") == 0, timeout=10)
         assert any("requests its previous process left are dropped" in line for line in server.lines)
-        assert c.embed([SENTENCE]).shape == (1, 384)
+        # A new caller: this channel saw the front go and backs off before it reconnects (seconds).
+        with EmbeddingClient(server.address, timeout=60) as fresh:
+            assert fresh.embed([SENTENCE]).shape == (1, 384)
         # Counted once the batcher sweeps them out, by the next batch at the latest.
         assert sample(server, "embed_inputs_dropped_total", reason="cancelled") > 200
     for future in pending:  # their front died: the caller sees the connection go, not an answer
