@@ -30,7 +30,7 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minilm_embed.export.optimize import MS_DOMAIN, SMOOTH_ALPHA, _input_absmax, cpu_session, fuse_attention
+from minilm_embed.export.optimize import MS_DOMAIN, _input_absmax, cpu_session, fuse_attention, smoothing
 from minilm_embed.export.parity import batch_invariance, onnx_embedder
 from minilm_embed.model.data import read_sts, sts_path
 from minilm_embed.model.repository import EMBEDDINGS, FP32_FILE, INPUT_IDS, INT8_FILE, LENGTHS, TOKENIZER_FILE
@@ -73,10 +73,7 @@ def _nbits_nodes(
     """Gemm (x @ W.T + b, W (N, K)) -> x * (1/smooth) -> MatMulNBits(W * smooth, b)."""
     n, k = w.shape
     p, x = node.name, node.input[0]
-    smooth = np.maximum(absmax[x], 1e-5) ** SMOOTH_ALPHA / np.maximum(np.abs(w).max(axis=0), 1e-5) ** (
-        1 - SMOOTH_ALPHA
-    )
-    smooth = smooth / np.exp(np.log(smooth).mean())
+    smooth = smoothing(w.T, absmax[x])  # as the shipped int8 graph smooths
     blocks = (w * smooth[None, :]).reshape(n, k // block, block)  # (N, K / block, block)
     top = 2 ** (bits - 1) - 1
     scale = np.maximum(np.abs(blocks).max(axis=2), 1e-12) / top  # (N, K / block)

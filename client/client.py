@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import grpc
 import numpy as np
 
 from minilm_embed.client.errors import from_rpc_error
-from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import BEARER_TOKEN, SERVICE_NAME
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 
@@ -57,10 +56,6 @@ def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str
     ]
 
 
-# What an HTTP/2 header value may hold (RFC 9113 8.2.1): printable ASCII and spaces inside.
-_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
-
-
 @dataclass(frozen=True)
 class Security:
     """TLS and/or a bearer token. With `ca_cert` the channel uses TLS; client cert+key add mutual TLS.
@@ -81,7 +76,7 @@ class Security:
                 object.__setattr__(self, name, Path(value))
         if self.token is not None:
             token = self.token.strip()
-            if token and not _HEADER_VALUE.fullmatch(token):
+            if token and not BEARER_TOKEN.fullmatch(token):
                 raise ValueError("the token holds characters a header cannot carry: printable ASCII only")
             object.__setattr__(self, "token", token or None)
 

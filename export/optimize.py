@@ -291,9 +291,7 @@ def int8_gemm_nodes(
     assert attrs.get("transB") == 1 and not attrs.get("transA"), f"{node.name}: unexpected Gemm layout"
     assert attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0, f"{node.name}: scaled Gemm"
     w = numpy_helper.to_array(weight).T  # (K, N)
-    w_max = np.maximum(np.abs(w).max(axis=1), 1e-5)  # (K,)
-    smooth = np.maximum(absmax, 1e-5) ** SMOOTH_ALPHA / w_max ** (1 - SMOOTH_ALPHA)
-    smooth = smooth / np.exp(np.log(smooth).mean())  # geometric mean 1: scales stay near the original
+    smooth = smoothing(w, absmax)
     w = w * smooth[:, None]
     col_scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / WEIGHT_MAX  # (N,)
     w_int8 = np.clip(np.round(w / col_scale), -WEIGHT_MAX, WEIGHT_MAX).astype(np.int8)
@@ -324,6 +322,15 @@ def int8_gemm_nodes(
         make("Add", [p + "/y", node.input[2]], list(node.output)),
     ]
     return nodes, initializers
+
+
+def smoothing(w: np.ndarray, absmax: np.ndarray) -> np.ndarray:
+    """SmoothQuant's per-input-channel divisor (K,) for weights `w` (K, N) whose input reaches
+    `absmax` (K,) per channel: sqrt(max|x| / max|w|) at alpha 0.5, scaled to a geometric mean of 1
+    so that the scales stay near the original."""
+    w_max = np.maximum(np.abs(w).max(axis=1), 1e-5)  # (K,)
+    smooth = np.maximum(absmax, 1e-5) ** SMOOTH_ALPHA / w_max ** (1 - SMOOTH_ALPHA)
+    return smooth / np.exp(np.log(smooth).mean())
 
 
 def _zero_point_nodes(row_scale: str) -> list[onnx.NodeProto]:

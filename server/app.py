@@ -44,8 +44,6 @@ from minilm_embed.server.config import (
     ConfigError,
     ListenAddress,
     ServerConfig,
-    check_tls,
-    check_token,
     setting,
     unknown_variables,
 )
@@ -339,16 +337,9 @@ def _join(process: BaseProcess, deadline: float) -> int:
 
 
 def check_security(config: ServerConfig) -> None:
-    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError, ConfigError)."""
-    try:
-        token = load_token(config.auth_token, config.auth_token_file)
-    except UnicodeDecodeError:
-        where = f"{setting('auth_token_file')} {config.auth_token_file}"
-        raise ConfigError(f"{where}: not UTF-8 text") from None
-    if token:
-        check_token(token, config)
+    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError)."""
+    load_token(config.auth_token, config.auth_token_file)
     server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    check_tls(config)
 
 
 def warn_of_unknown_variables(environ: Mapping[str, str]) -> None:

@@ -11,9 +11,7 @@ import dataclasses
 import difflib
 import itertools
 import math
-import re
 import socket
-import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +33,6 @@ ENV_PREFIX = "EMBED_"
 OTHER_VARIABLES = frozenset({"EMBED_TOKEN", "EMBED_CA_CERT", "EMBED_DATA_DIR", "EMBED_SOAK_SECONDS"})
 LISTEN_SETTINGS = ("address", "http_address", "metrics_address")
 WILDCARD_HOSTS = ("0.0.0.0", "::")
-# What an HTTP/2 header value may carry (RFC 9113 8.2.1), as the client checks its token: printable
-# ASCII, spaces only inside.
-_HEADER_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
 
 
 def setting(name: str) -> str:
@@ -408,55 +403,3 @@ def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]
 def _closest_setting(variable: str, fields: list[str]) -> str | None:
     close = difflib.get_close_matches(variable.removeprefix(ENV_PREFIX).lower(), fields, n=1, cutoff=0.5)
     return env_name(close[0]) if close else None
-
-
-def check_token(token: str, config: ServerConfig) -> None:
-    """Refuse a bearer token no header can carry (every call would be UNAUTHENTICATED); never print it."""
-    if not _HEADER_VALUE.fullmatch(token):
-        where = (
-            f"{setting('auth_token_file')} {config.auth_token_file}"
-            if config.auth_token_file
-            else setting("auth_token")
-        )
-        raise ConfigError(
-            f"{where}: the token holds what no header can carry (a line break, a control character, "
-            "a non-ASCII character, or spaces around it): printable ASCII only, on one line"
-        )
-
-
-def check_tls(config: ServerConfig) -> None:
-    """Refuse TLS files that do not parse, or a key that is not the certificate's, with the ssl module
-    (uvicorn's own): gRPC would only fail once the model is warm, as 'Failed to bind to address'."""
-    if config.tls_cert and config.tls_key:
-        _check_certificate(config.tls_cert, "tls_cert")
-        try:
-            # No password: an encrypted key is refused, not asked for on the terminal.
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-                config.tls_cert, config.tls_key, password=lambda: b""
-            )
-        except ssl.SSLError as e:
-            if e.reason == "KEY_VALUES_MISMATCH":
-                raise ConfigError(
-                    f"{setting('tls_key')} {config.tls_key} does not match {setting('tls_cert')} "
-                    f"{config.tls_cert} ({_reason(e)})"
-                ) from None
-            raise ConfigError(
-                f"{setting('tls_key')} {config.tls_key}: no PEM private key could be read (an "
-                f"unencrypted one) ({_reason(e)})"
-            ) from None
-    if config.tls_client_ca:
-        _check_certificate(config.tls_client_ca, "tls_client_ca")
-
-
-def _check_certificate(path: str, name: str) -> None:
-    try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=path)
-    except ssl.SSLError as e:
-        raise ConfigError(
-            f"{setting(name)} {path}: no PEM certificate could be read ({_reason(e)})"
-        ) from None
-
-
-def _reason(error: ssl.SSLError) -> str:
-    """OpenSSL's reason (KEY_VALUES_MISMATCH), or its message without the C source's line number."""
-    return error.reason or re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(error.args[-1]))

@@ -8,21 +8,24 @@ The token is compared in constant time and never logged.
 from __future__ import annotations
 
 import hmac
+import re
+import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.proto.embedding.v1 import BEARER_TOKEN, SERVICE_NAME
 from minilm_embed.server import logs
+from minilm_embed.server.config import ConfigError, setting
 from minilm_embed.server.metrics import Metrics
 
 PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
 
 
-class SecurityConfigError(Exception):
-    """A TLS or token file that cannot be used; the message names the file."""
+class SecurityConfigError(ConfigError):
+    """A TLS or token setting that cannot be used; the message names the setting or the file."""
 
 
 def _read(path: str, what: str) -> bytes:
@@ -42,16 +45,60 @@ def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCreden
         raise SecurityConfigError("TLS needs both --tls-cert and --tls-key")
     pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
     roots = _read(client_ca, "client CA") if client_ca else None
+    _check_tls(cert, key, client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=roots is not None)
 
 
+def _check_tls(cert: str, key: str, client_ca: str) -> None:
+    """Refuse TLS files that do not parse, or a key that is not the certificate's, with the ssl module
+    (uvicorn's own): gRPC would only fail once the model is warm, as 'Failed to bind to address'."""
+    _check_certificate(cert, "tls_cert")
+    try:
+        # No password: an encrypted key is refused, not asked for on the terminal.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise SecurityConfigError(
+                f"{setting('tls_key')} {key} does not match {setting('tls_cert')} {cert} ({_reason(e)})"
+            ) from None
+        what = "no PEM private key could be read (an unencrypted one)"
+        raise SecurityConfigError(f"{setting('tls_key')} {key}: {what} ({_reason(e)})") from None
+    if client_ca:
+        _check_certificate(client_ca, "tls_client_ca")
+
+
+def _check_certificate(path: str, name: str) -> None:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=path)
+    except ssl.SSLError as e:
+        raise SecurityConfigError(
+            f"{setting(name)} {path}: no PEM certificate could be read ({_reason(e)})"
+        ) from None
+
+
+def _reason(error: ssl.SSLError) -> str:
+    """OpenSSL's reason (KEY_VALUES_MISMATCH), or its message without the C source's line number."""
+    return error.reason or re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(error.args[-1]))
+
+
 def load_token(token: str, token_file: str) -> str | None:
+    """The bearer token, from the setting or its file; one no header can carry (every call would be
+    UNAUTHENTICATED) is refused naming where it came from, never printing it."""
     if token and token_file:
         raise SecurityConfigError("give the auth token either directly or as a file, not both")
+    where = f"{setting('auth_token_file')} {token_file}" if token_file else setting("auth_token")
     if token_file:
-        token = _read(token_file, "auth token file").decode("utf-8").strip()
+        try:
+            token = _read(token_file, "auth token file").decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise SecurityConfigError(f"{where}: not UTF-8 text") from None
         if not token:
             raise SecurityConfigError(f"{token_file}: the auth token file is empty")
+    if token and not BEARER_TOKEN.fullmatch(token):
+        raise SecurityConfigError(
+            f"{where}: the token holds what no header can carry (a line break, a control character, "
+            "a non-ASCII character, or spaces around it): printable ASCII only, on one line"
+        )
     return token or None
 
 
