@@ -135,21 +135,23 @@ def test_what_a_killed_front_left_queued_is_dropped_once_its_successor_says_hell
     """Nobody reads a dead front's answers. Left queued, 344 inputs held a call sent after the
     restart for 25 s; now the engine drops them when the front's successor says HELLO."""
     long_text = "several words for the model to read, " * 40  # ~250 tokens
-    with serving("--front-processes", "1") as server, EmbeddingClient(server.address, timeout=120) as c:
-        pending = [
-            c.stub.Embed.future(embed_request([f"{r}.{i} {long_text}" for i in range(64)]), timeout=120)
-            for r in range(12)
-        ]
-        assert wait_for(lambda: sample(server, "embed_queue_depth") > 300, timeout=60)
-        dead, _ = kill_the_front(server)
+    with serving("--front-processes", "1") as server:
+        with EmbeddingClient(server.address, timeout=120) as c:
+            pending = [
+                c.stub.Embed.future(embed_request([f"{r}.{i} {long_text}" for i in range(64)]), timeout=120)
+                for r in range(12)
+            ]
+            assert wait_for(lambda: sample(server, "embed_queue_depth") > 300, timeout=60)
+            dead, _ = kill_the_front(server)
+            # Their front died: the caller sees the connection go, not an answer.
+            assert all(future.exception(timeout=60) is not None for future in pending)
+        # Closed: a channel that saw the front go backs off before it reconnects (seconds), and gRPC
+        # shares its connection with any new channel to the same address while it is open.
         wait_for_a_new_front(server, dead)
         assert served_again(server, 1), "".join(server.lines[-10:])
         assert wait_for(lambda: sample(server, "embed_queue_depth") == 0, timeout=10)
         assert any("requests its previous process left are dropped" in line for line in server.lines)
-        # A new caller: this channel saw the front go and backs off before it reconnects (seconds).
         with EmbeddingClient(server.address, timeout=60) as fresh:
             assert fresh.embed([SENTENCE]).shape == (1, 384)
         # Counted once the batcher sweeps them out, by the next batch at the latest.
         assert sample(server, "embed_inputs_dropped_total", reason="cancelled") > 200
-    for future in pending:  # their front died: the caller sees the connection go, not an answer
-        assert future.exception() is not None
