@@ -221,8 +221,12 @@ def cmd_embed_file(args: argparse.Namespace) -> int:
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
     except KeyboardInterrupt:
-        if job.out.exists():
-            print(f"client: stopped; run again with --resume to continue {job.out}", file=sys.stderr)
+        if (partial := bulk.partial_path(job.out)).exists():
+            print(
+                f"client: stopped; {partial} holds the rows so far; run again with --resume to go on "
+                f"from there ({job.out} is written when every row is)",
+                file=sys.stderr,
+            )
         return 130
     resumed = f", {stats.resumed} of them from before" if stats.resumed else ""
     retried = plural(stats.retried, "refusal")

@@ -7,13 +7,21 @@ U+0085, U+2028 and U+2029 and shift every later row. Two input formats:
 - text: one text per line; the row's id is its line number (1-based).
 - JSONL (`jsonl=True`): one `{"id": ..., "text": "..."}` object per line.
 
+An empty line is refused by its number, wherever it is (the last line too): skipped, it would move
+every later row off its line. A line of spaces is a text and gets its row.
+
 Two output formats, chosen by the suffix of the output path:
 
 - `.npy`: float32 [rows, dimensions], rows appended as they come. Until the job ends, the file's magic
   is PARTIAL_MAGIC (numpy refuses to load it); the header with the row count and numpy's magic are
-  written last. For JSONL input the ids go beside it, one JSON value per line, in `<out>.ids.jsonl`.
+  written last. For JSONL input the ids go beside it, one JSON value per line, in `<stem>.ids.jsonl`
+  (that name from the start: only as many ids are read as the vectors have rows).
 - `.jsonl`: one `{"id": ..., "embedding": [...]}` object per line, each float with the 9 significant
   digits that give back the same float32.
+
+Rows go to `<out>.partial` (PARTIAL_SUFFIX) while the job runs; it is renamed to `<out>` (os.replace,
+atomic) once the last row is written and a .npy sealed, so a file under the output's own name is always
+a finished one. A job that fails or is killed leaves `<out>.partial`, and its message says so.
 
 CSV is not read as columns: a header or a quoted newline would become rows of their own, so a `.csv`
 or `.tsv` input is refused (give JSONL instead, or one text per line).
@@ -30,17 +38,20 @@ Rows are written in input order as soon as they and every row before them are ba
 dropped it before computing it) is retried with exponential backoff for up to 10 minutes; a message
 over the server's size limit is not (it would fail again).
 
-Resuming (`resume=True`) counts the whole rows already in the output (a row cut short by a kill is
-dropped), skips that many input records and appends the rest. With ids (JSONL input or output) the
-last id written must be the id of the input record at that position (as JSON values: true is not 1),
-so a different input is refused. Line numbers cannot tell one file from another, nor ids a changed text,
-so the record at the last row's place is also embedded again and must come back at cosine >= 0.999 to
-that row (SAME_ROW_COSINE): a different file, or another model or precision, is refused; a `.npy` made
-from JSONL input (ids beside it) resumes only with JSONL input, and one made from text
-only with text. The last row's length tells whether the output was normalised (length 1) or not
-(the model's mean-pooled vectors: lengths 1.96-7.76 over STS-B dev's 3,006 sentences), and a resume
-with the other setting is refused: the file would mix the two. The output is read, not changed, until
-the input has been checked against it: a refused resume leaves it as it was, sealed or not.
+Resuming (`resume=True`) counts the whole rows already in `<out>.partial`, or else in a finished
+`<out>` (a row cut short by a kill is dropped), skips that many input records and appends the rest; a
+finished output becomes `<out>.partial` again only once a record is there to append. Where both files
+exist the job is refused (which one to go on with is the user's to say), as is a job without `resume`
+where either does. With ids (JSONL input or output) the last id written must be the id of the input
+record at that position (as JSON values: true is not 1), so a different input is refused. Line numbers
+cannot tell one file from another, nor ids a changed text, so the record at the last row's place is also
+embedded again and must come back at cosine >= 0.999 to that row (SAME_ROW_COSINE): a different file,
+or another model or precision, is refused; a `.npy` made from JSONL input (ids beside it) resumes only
+with JSONL input, and one made from text only with text. The last row's length tells whether the
+output was normalised (length 1) or not (the model's mean-pooled vectors: lengths 1.96-7.76 over
+STS-B dev's 3,006 sentences), and a resume with the other setting is refused: the file would mix the
+two. The output is read, not changed, until the input has been checked against it: a refused resume
+leaves it as it was, sealed or not.
 The server batches requests together, so a vector is equal across runs within the batch invariance the
 server guarantees (cosine >= 0.99999), not bit for bit.
 """
@@ -76,6 +87,7 @@ RETRYABLE = (
 PARTIAL_MAGIC = b"\x93PARTL"  # in place of numpy's b"\x93NUMPY" while the job runs
 NPY_MAGIC = b"\x93NUMPY"
 IDS_SUFFIX = ".ids.jsonl"
+PARTIAL_SUFFIX = ".partial"  # <out>.partial: the output until the job has written it all
 T = TypeVar("T")
 FLOAT32 = "{:.9g}"  # 9 significant digits give back every float32 exactly; float64's 17 only take room
 NOT_COLUMNS = (".csv", ".tsv")
@@ -232,6 +244,8 @@ class Sink(Protocol):
     writing (`resume`: after what `inspect` found, else into an empty output); `close(complete=True)`
     seals it."""
 
+    path: Path
+
     def inspect(self) -> Written: ...
     def open(self, resume: bool) -> None: ...
     def write(self, records: list[Record], vectors: np.ndarray) -> None: ...
@@ -364,10 +378,13 @@ class NpySink:
     def close(self, complete: bool) -> None:
         assert self._vectors is not None
         if self._ids is not None:
+            if complete:
+                synced(self._ids)
             self._ids.close()  # before the header: a sealed file always has every id beside it
         if complete:
             self._vectors.seek(0)
             self._vectors.write(npy_header(self.rows, self.dims))
+            synced(self._vectors)
         self._vectors.close()
 
 
@@ -416,20 +433,68 @@ class JsonlSink:
 
     def close(self, complete: bool) -> None:
         assert self._out is not None
+        if complete:
+            synced(self._out)
         self._out.close()
 
 
+def synced(file: IO[Any]) -> None:
+    """On the disk, not only in the page cache, before the output takes its final name: after a power
+    cut a renamed file must not be one whose rows were never written."""
+    file.flush()
+    os.fsync(file.fileno())
+
+
+def rename_durably(source: Path, target: Path) -> None:
+    """os.replace, then the directory's entry synced too (where the platform can open a directory)."""
+    os.replace(source, target)
+    try:
+        directory = os.open(target.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def ids_beside(out: Path) -> Path:
-    """Where a .npy output made from JSONL input keeps its ids."""
-    return out.with_name(out.stem + IDS_SUFFIX)
+    """Where a .npy output made from JSONL input keeps its ids: the same file for `<out>.partial` (the
+    ids are read only up to the rows the vectors hold, so they need no name of their own)."""
+    return out.with_name(Path(out.name.removesuffix(PARTIAL_SUFFIX)).stem + IDS_SUFFIX)
 
 
-def sink_for(out: Path, dims: int, jsonl_input: bool) -> Sink:
+def partial_path(out: Path) -> Path:
+    """Where a job writes `out` until every row is there."""
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def sink_for(out: Path, dims: int, jsonl_input: bool, at: Path | None = None) -> Sink:
+    """The sink for output `out`'s format, reading and writing the file `at` (default: `out`)."""
+    at = at or out
     if out.suffix == ".npy":
-        return NpySink(out, dims, ids_beside(out) if jsonl_input else None)
+        return NpySink(at, dims, ids_beside(out) if jsonl_input else None)
     if out.suffix == ".jsonl":
-        return JsonlSink(out, dims)
+        return JsonlSink(at, dims)
     raise OutputFileError(f"{out}: the output must end in .npy or .jsonl")
+
+
+def existing_output(out: Path, resume: bool) -> Path | None:
+    """The file a job goes on from: `<out>.partial`, or a finished `out`, or None for a new output.
+    Without `resume` neither may exist; with it, not both (which one is meant is the user's to say)."""
+    partial = partial_path(out)
+    if out.exists() and partial.exists():
+        raise OutputFileError(
+            f"{out} (finished) and {partial} (an unfinished job's rows) both exist: remove {partial} to "
+            f"keep {out}, or remove {out} and run again with --resume to go on with {partial}"
+        )
+    if out.exists() and not resume:
+        raise OutputFileError(f"{out} exists: add --resume to continue it, or remove it")
+    if partial.exists() and not resume:
+        raise OutputFileError(
+            f"{partial} holds the rows of an unfinished job: add --resume to go on with it, or remove it"
+        )
+    return partial if partial.exists() else out if out.exists() else None
 
 
 def skip_written(records: Iterator[Record], written: Written, name: str) -> Record | None:
@@ -632,18 +697,18 @@ async def run_job(
     progress: Callable[[int], None],
     on_retry: Callable[[grpc.RpcError], None] = lambda error: None,
 ) -> Stats:
-    """Embed job.source into job.out. On an error the output holds whole rows only and resumes; the
-    error carries a note that says so."""
-    if job.out.exists() and not job.resume:
-        raise OutputFileError(f"{job.out} exists: add --resume to continue it, or remove it")
-    sink = sink_for(job.out, served.dims, job.jsonl)
+    """Embed job.source into job.out, by way of `<out>.partial`. On an error that file holds whole rows
+    only and resumes; the error carries a note that says so."""
+    existing = existing_output(job.out, job.resume)
+    partial = partial_path(job.out)
+    sink = sink_for(job.out, served.dims, job.jsonl, at=existing or partial)
     with input_stream(job.source) as (stream, name):
         parse = jsonl_records if job.jsonl else text_records
         lines = parse(read_lines(stream, name), name)
         records = within(lines, served.max_text_chars, name, served.max_message_bytes)
-        written = sink.inspect() if job.resume and job.out.exists() else Written()
+        written = sink.inspect() if existing else Written()
         # Before the output is touched: a refusal leaves it as it was.
-        written.check_normalized(job.normalize, job.out)
+        written.check_normalized(job.normalize, sink.path)
         stats = Stats(rows=written.rows, resumed=written.rows, on_retry=on_retry)
 
         def embed_texts(texts: list[str]) -> Awaitable[np.ndarray]:
@@ -651,6 +716,12 @@ async def run_job(
 
         if last := skip_written(records, written, name):
             await check_same_input(embed_texts, last, written, name)
+        if existing == job.out:  # finished: it stays so unless a record follows its last row
+            if (following := next(records, None)) is None:
+                return stats
+            records = itertools.chain([following], records)
+            os.replace(job.out, partial)
+            sink.path = partial
         sink.open(resume=written.rows > 0)
         complete = False
         try:
@@ -675,10 +746,11 @@ async def run_job(
             complete = True
         except BaseException as e:
             e.add_note(
-                f"{job.out} holds the {stats.rows} whole rows before this; "
-                "run again with --resume to go on from there"
+                f"{partial} holds the {stats.rows} whole rows before this; run again with --resume to go "
+                f"on from there ({job.out} is written when every row is)"
             )
             raise
         finally:
             sink.close(complete)
+    rename_durably(partial, job.out)  # sealed, synced and closed: only now does the output have its name
     return stats

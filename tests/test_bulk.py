@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -51,6 +52,11 @@ def alone(client: EmbeddingClient, texts: list[str]) -> np.ndarray:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
+
+
+def partial_of(out: Path) -> Path:
+    """Where a job writes until it is finished: the output's own name only once it is."""
+    return out.with_name(out.name + ".partial")
 
 
 def test_every_line_break_character_stays_inside_its_row(server, client, tmp_path):
@@ -122,7 +128,8 @@ def test_bad_input_names_the_line(server, tmp_path, content, flags, message):
     assert done.returncode == 2
     assert message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
-    assert len(read_jsonl(out)) == 1  # the row before the bad line is written: a resume starts at it
+    assert not out.exists()  # an unfinished output never has the finished one's name
+    assert len(read_jsonl(partial_of(out))) == 1  # the row before the bad line is kept: a resume starts at it
 
 
 def test_invalid_utf8_names_the_line(server, tmp_path):
@@ -175,7 +182,7 @@ def start_job(server: ServerProcess, *args: str) -> subprocess.Popen[str]:
 def rows_on_disk(out: Path) -> int:
     if not out.exists():
         return 0
-    if out.suffix == ".jsonl":
+    if out.name.removesuffix(".partial").endswith(".jsonl"):
         return out.read_bytes().count(b"\n")
     return (out.stat().st_size - len(bulk.npy_header(0, 384))) // (4 * 384)
 
@@ -196,19 +203,21 @@ def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(server, tmp_pa
     flags = ["--batch-size", "8", "--concurrency", "4"]
     job = start_job(server, str(path), "--out", str(resumed), *flags)
     deadline = time.monotonic() + 60
-    while rows_on_disk(resumed) < 100 and job.poll() is None and time.monotonic() < deadline:
+    while rows_on_disk(partial_of(resumed)) < 100 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     job.send_signal(signal.SIGKILL)
     job.wait(10)
     assert job.returncode == -signal.SIGKILL, "the job ended before it could be killed"
-    killed_at = rows_on_disk(resumed)
+    assert not resumed.exists()  # a killed job leaves nothing that looks finished
+    killed_at = rows_on_disk(partial_of(resumed))
     assert 0 < killed_at < len(lines)
     if suffix == ".npy":
-        with pytest.raises(ValueError):  # a partial .npy never loads as if it were whole
-            np.load(resumed)
+        with pytest.raises(ValueError):  # nor does the partial file load as if it were whole
+            np.load(partial_of(resumed))
     done = embed_file(server, str(path), "--out", str(resumed), "--resume", *flags)
     assert done.returncode == 0, done.stderr
     assert f"{killed_at} of them from before" in done.stderr
+    assert not partial_of(resumed).exists()
     done = embed_file(server, str(path), "--out", str(whole), *flags)
     assert done.returncode == 0, done.stderr
     (ids, got), (want_ids, want) = load(resumed), load(whole)
@@ -481,7 +490,7 @@ def test_a_line_over_the_servers_text_limit_stops_the_job_at_its_line(server, tm
     assert done.returncode == 2, done.stderr
     assert "in.txt:3: 100001 characters, over the server's limit max_text_chars=100000" in done.stderr
     assert "holds the 2 whole rows before this; run again with --resume" in done.stderr
-    assert [r["id"] for r in read_jsonl(out)] == [1, 2]
+    assert [r["id"] for r in read_jsonl(partial_of(out))] == [1, 2]
 
 
 def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp_path):
@@ -585,3 +594,106 @@ def test_a_resume_with_the_other_normalisation_is_refused(server, tmp_path, suff
     done = embed_file(server, str(path), "--out", str(out), "--resume", *first)
     assert done.returncode == 0, done.stderr
     assert rows_on_disk(out) == 6
+
+
+# An unfinished output never has the finished output's name.
+
+
+@pytest.mark.parametrize(("suffix", "jsonl"), [(".npy", False), (".jsonl", False), (".npy", True)])
+def test_a_trailing_empty_line_is_refused_at_its_line_and_leaves_no_output_that_looks_finished(
+    server, client, tmp_path, suffix, jsonl
+):
+    """A file ending in a blank line left a .npy under its final name that numpy refused as "pickled"
+    data. The empty line is refused at its number, as any empty line is (skipping it would move every
+    later row off its line); the rows before it wait in <out>.partial for a --resume."""
+    path, out = tmp_path / "in.txt", tmp_path / f"v{suffix}"
+    texts = ["one", "two"]
+    lines = [json.dumps({"id": f"doc-{t}", "text": t}) if jsonl else t for t in texts]
+    flags = ["--jsonl"] if jsonl else []
+    path.write_text("".join(line + "\n" for line in lines) + "\n", encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), *flags)
+    assert done.returncode == 2
+    assert "in.txt:3: empty line" in done.stderr, done.stderr
+    assert not out.exists()
+    assert rows_on_disk(partial_of(out)) == 2
+    assert f"{partial_of(out)} holds the 2 whole rows before this; run again with --resume" in done.stderr
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume", *flags)
+    assert done.returncode == 0, done.stderr
+    assert not partial_of(out).exists()
+    ids, vectors = load(out)
+    if jsonl:
+        ids = [json.loads(line) for line in (tmp_path / "v.ids.jsonl").read_text().splitlines()]
+    assert ids == (["doc-one", "doc-two"] if jsonl else [] if suffix == ".npy" else [1, 2])
+    assert_close(vectors, alone(client, texts))
+
+
+def test_a_finished_output_grown_by_a_resume_that_fails_is_partial_again(server, client, tmp_path):
+    """Rows appended to a sealed .npy unseal it: until they are all there it is <out>.partial."""
+    lines = corpus(6)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("".join(t + "\n" for t in lines[:3]), encoding="utf-8")
+    assert embed_file(server, str(path), "--out", str(out)).returncode == 0
+    path.write_text("".join(t + "\n" for t in lines[:5]) + "\n" + lines[5] + "\n", encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 2
+    assert "in.txt:6: empty line" in done.stderr, done.stderr
+    assert not out.exists()
+    assert rows_on_disk(partial_of(out)) == 5
+    path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "5 of them from before" in done.stderr
+    assert not partial_of(out).exists()
+    assert_close(np.load(out), alone(client, lines))
+
+
+def test_a_resume_with_nothing_to_add_leaves_a_finished_output_untouched(server, tmp_path):
+    path, out, before = sealed_job(server, tmp_path, jsonl=False)
+    os.utime(out, ns=(10**18, 10**18))
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "wrote 6 rows" in done.stderr
+    assert out.stat().st_mtime_ns == 10**18  # not opened for writing: a kill now could not unseal it
+    assert out.read_bytes() == before[out]
+
+
+@pytest.mark.parametrize(
+    ("existing", "flags", "message"),
+    [
+        (["partial"], [], "holds the rows of an unfinished job: add --resume to go on with it, or remove it"),
+        (["final", "partial"], [], "both exist"),
+        (["final", "partial"], ["--resume"], "both exist"),
+    ],
+)
+def test_an_unfinished_output_is_neither_overwritten_nor_guessed_at(
+    server, tmp_path, existing, flags, message
+):
+    """Without --resume a new job would start the partial file over; beside a finished output, which
+    of the two to go on with is the user's to say."""
+    path, out, _ = sealed_job(server, tmp_path, jsonl=False)
+    partial_of(out).write_bytes(out.read_bytes())
+    if "final" not in existing:
+        out.unlink()
+    before = {f: f.read_bytes() for f in tmp_path.glob("v.*")}
+    done = embed_file(server, str(path), "--out", str(out), *flags)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
+    assert str(partial_of(out)) in done.stderr
+    assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
+
+
+def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp_path):
+    lines = corpus(1200)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+    job = start_job(server, str(path), "--out", str(out), "--batch-size", "8", "--concurrency", "4")
+    deadline = time.monotonic() + 60
+    while rows_on_disk(partial_of(out)) < 50 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    job.send_signal(signal.SIGINT)  # Ctrl-C
+    _, stderr = job.communicate(timeout=30)
+    assert job.returncode == 130, stderr
+    assert not out.exists()
+    assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
+    assert "Traceback" not in stderr
