@@ -226,11 +226,29 @@ class HttpApi:
     async def _serve(
         self, method: str, request: Request, handler: Callable[[], Awaitable[Response]], inputs: list[int]
     ) -> Response:
-        """Run one call: the single place where its errors become responses and it is counted."""
+        """Run one call (traced, when tracing is on, as gRPC's interceptor traces a gRPC call)."""
+        request_id = self._request_id(request)
+        tracer = self.embedder.tracer
+        if tracer is None:
+            return await self._answer(method, request, request_id, handler, inputs)
+        route = request.scope["route"].path
+        with tracer.http_call(request.method, route, request.headers, request_id) as answered:
+            response = await self._answer(method, request, request_id, handler, inputs)
+            answered(response.status_code)
+            return response
+
+    async def _answer(
+        self,
+        method: str,
+        request: Request,
+        request_id: str,
+        handler: Callable[[], Awaitable[Response]],
+        inputs: list[int],
+    ) -> Response:
+        """The single place where a call's errors become responses and it is counted."""
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
-        request_id = self._request_id(request)
         try:
             self._authorize(request)
             response = await handler()

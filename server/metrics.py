@@ -33,6 +33,12 @@ BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
 SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))
 LARGEST_CLASS = "65+"
+# The `method` label: the gRPC methods and the HTTP endpoints counted (http.py's METHODS; /health is
+# not counted). tests/test_metrics.py checks them against the proto and http.py.
+METHODS = ("Embed", "EmbedStream", "Tokenize", "Info", "http_embeddings", "http_models")
+# The codes that count as the server failing: the error-ratio recording rule and its alert select
+# these by name (deploy/prometheus/recording.rules.yml).
+SERVER_ERROR_CODES = ("INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 DROP_REASONS = ("deadline", "cancelled", "failed")
 # What refused a request at once: the engine's queue (--queue-limit), or one of a front's budgets:
 # bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
@@ -143,6 +149,15 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",
         )
+        self._start_at_zero()
+
+    def _start_at_zero(self) -> None:
+        """Export at 0 the series that dashboards and alerts name, before anything happens (as
+        client_python advises for known label values): rate() over a series not yet there is no data,
+        not 0, and one born at 1 hides its first increment from rate() and increase()."""
+        for method in METHODS:
+            for code in ("OK", *SERVER_ERROR_CODES):
+                self.requests.labels(method, code)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         for reason in REFUSAL_REASONS:

@@ -2,9 +2,10 @@
 
 Imported only when tracing is on (front.py), so a server without it pays neither the import nor more
 than a None check per request. When on, the gRPC instrumentation's aio server interceptor makes a
-server span per call (health checks and reflection excepted), and each Embed gets three children:
+server span per call (health checks and reflection excepted), `http_call` one per counted HTTP call
+(POST /v1/embeddings, GET /v1/models), and each Embed gets three children:
 
-    Embed (server span, rpc.* attributes and request.id)
+    Embed or POST /v1/embeddings (server span: rpc.* or http.* attributes, and request.id)
     ├── tokenize     in this front, timed as it ran
     ├── queue_wait   in the engine: the longest any of its inputs waited for a batch
     └── model_run    in the engine: the time during which at least one of its batches ran
@@ -20,12 +21,15 @@ engine, end to end is an approximation.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from minilm_embed.server.embedder import Embedded, EmbedJob
 
@@ -44,6 +48,25 @@ class RequestTracer:
     def interceptor(self) -> object:
         untraced = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         return aio_server_interceptor(tracer_provider=self.provider, filter_=filters.negate(untraced))
+
+    @contextmanager
+    def http_call(
+        self, verb: str, route: str, headers: Mapping[str, str], request_id: str
+    ) -> Iterator[Callable[[int], None]]:
+        """The server span of an HTTP call, continuing the caller's `traceparent`: current while the
+        call is served, so an Embed's children nest under it as under a gRPC call's. Yields what
+        records the response's status (5xx marks the span an error, as for a server span it should)."""
+        attributes = {"http.request.method": verb, "http.route": route, "request.id": request_id}
+        context = propagate.extract(headers)
+        name = f"{verb} {route}"
+        with self.tracer.start_as_current_span(name, context, SpanKind.SERVER, attributes) as span:
+
+            def answered(status: int) -> None:
+                span.set_attribute("http.response.status_code", status)
+                if status >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+
+            yield answered
 
     def tag(self, request_id: str) -> None:
         """Name the request id on the current call's server span."""

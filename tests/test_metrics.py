@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import grpc
 import numpy as np
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -41,6 +42,7 @@ async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None
 
 Served = tuple[ServerProcess, pb.InfoResponse, str]
 DOCS = REPO_ROOT / "docs" / "metrics.md"
+RECORDING_RULES = REPO_ROOT / "deploy" / "prometheus" / "recording.rules.yml"
 INFO_LABELS = {"model_id", "sha256", "precision", "provider"}
 # Family name as the client library reports it (counters without `_total`) -> (type, label names).
 FAMILIES: dict[str, tuple[str, set[str]]] = {
@@ -81,6 +83,24 @@ BOUNDED = {
     "reason": set(DROP_REASONS) | set(REFUSAL_REASONS),
     "size": {"0", "1", "2-8", "9-64", "65+"},
 }
+
+
+def server_error_codes() -> set[str]:
+    """The codes the error-ratio recording rule (and EmbedHighErrorRatio on it) counts as failures."""
+    groups = yaml.safe_load(RECORDING_RULES.read_text())["groups"]
+    rule = "job:embed_request_errors:ratio_rate5m"
+    [expr] = [r["expr"] for g in groups for r in g["rules"] if r.get("record") == rule]
+    [codes] = set(re.findall(r'code=~"([A-Z_|]+)"', expr))
+    return set(codes.split("|"))
+
+
+# The codes dashboards and alerts query by name: a series each must exist from start-up, at 0.
+QUERIED_CODES = {"OK"} | server_error_codes()
+
+
+def requests_missing_at_zero(value_of: Callable[[str, str], float | None]) -> list[tuple[str, str]]:
+    """(method, code) pairs queried by name whose embed_requests_total is not exported at 0."""
+    return [(m, c) for m in sorted(METHODS) for c in sorted(QUERIED_CODES) if value_of(m, c) != 0]
 
 
 def exposed_name(name: str, kind: str) -> str:
@@ -151,6 +171,19 @@ def test_dropped_and_refused_reasons_are_exported_at_zero_before_any_drop_or_ref
         assert m.registry.get_sample_value("embed_inputs_dropped_total", {"reason": reason}) == 0
     for reason in REFUSAL_REASONS:
         assert m.registry.get_sample_value("embed_requests_refused_total", {"reason": reason}) == 0
+
+
+def test_requests_are_exported_at_zero_for_every_method_with_each_queried_code() -> None:
+    """rate() over a series that does not exist yet is no data, not 0, and a series born at 1 hides its
+    first call from rate(): each method's OK and server-side error codes exist from the start."""
+    m = Metrics(CollectorRegistry())
+    labels = {"method": "", "code": ""}
+
+    def value_of(method: str, code: str) -> float | None:
+        labels.update(method=method, code=code)
+        return m.registry.get_sample_value("embed_requests_total", labels)
+
+    assert requests_missing_at_zero(value_of) == []
 
 
 def test_the_supervisor_counts_front_restarts_from_zero() -> None:
@@ -388,25 +421,48 @@ def assert_labels_bounded(text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir: object) -> Iterator[Served]:
-    """A real server after one call of each kind (gRPC's and HTTP's embeddings), one of them invalid and
-    one truncated; and its scrape."""
+def live_server(model_dir: object) -> Iterator[ServerProcess]:
     server = start_server().wait_serving()
     try:
         assert server.metrics_port is not None
-        with EmbeddingClient(server.address) as client:
-            client.embed(["a short text", "word " * 400])  # the second is truncated
-            client.tokenize(["tokens"])
-            info = client.info()
-            with pytest.raises(grpc.RpcError) as e:
-                client.embed_response(embed_request([]))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        http = f"http://127.0.0.1:{server.http_port}/v1/embeddings"
-        with urllib.request.urlopen(http, data=b'{"input": "over HTTP"}', timeout=30) as answer:
-            assert answer.status == 200
-        yield server, info, settled_scrape(server.metrics_port)
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def fresh(live_server: ServerProcess) -> str:
+    """The scrape of the server before its first call, as Prometheus sees a pod just started."""
+    assert live_server.metrics_port is not None
+    return settled_scrape(live_server.metrics_port)
+
+
+@pytest.fixture(scope="module")
+def served(live_server: ServerProcess, fresh: str) -> Served:
+    """The server after one call of each kind (gRPC's and HTTP's embeddings), one of them invalid and
+    one truncated; and its scrape."""
+    server = live_server
+    assert server.metrics_port is not None
+    with EmbeddingClient(server.address) as client:
+        client.embed(["a short text", "word " * 400])  # the second is truncated
+        client.tokenize(["tokens"])
+        info = client.info()
+        with pytest.raises(grpc.RpcError) as e:
+            client.embed_response(embed_request([]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    http = f"http://127.0.0.1:{server.http_port}/v1/embeddings"
+    with urllib.request.urlopen(http, data=b'{"input": "over HTTP"}', timeout=30) as answer:
+        assert answer.status == 200
+    return server, info, settled_scrape(server.metrics_port)
+
+
+def test_a_fresh_server_exports_each_methods_requests_at_zero_with_each_queried_code(fresh: str) -> None:
+    found = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for s in samples(fresh)
+        if s.name == "embed_requests_total"
+    }
+    assert requests_missing_at_zero(lambda method, code: found.get((method, code))) == []
 
 
 def test_live_scrape_has_every_family_and_the_default_collectors(served: Served) -> None:

@@ -33,7 +33,14 @@ from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, em
 from minilm_embed.server.metrics import REFUSAL_REASONS
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, start_server, wait_for
-from tests.test_metrics import assert_labels_bounded, promtool_check_metrics, samples, scrape
+from tests.test_metrics import (
+    METHODS,
+    assert_labels_bounded,
+    promtool_check_metrics,
+    samples,
+    scrape,
+    server_error_codes,
+)
 
 RULE_FILES = sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.rules.yml"))
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "embed.json"
@@ -264,9 +271,34 @@ def provoke_deadline_drops(server: ServerProcess, rounds: int = 3) -> int:
     return exceeded
 
 
+ERRORS = "|".join(sorted(server_error_codes()))
+# What a pod just started, before its first call, shows: each a query a panel, the dashboard's job
+# variable or an alert makes, and what it should answer then.
+FRESH_QUERIES = {
+    'sum by (method) (rate(embed_requests_total{code="OK"}[1m]))': [0.0] * len(METHODS),
+    f'sum(rate(embed_requests_total{{code=~"{ERRORS}"}}[5m]))': [0.0],
+    f'job:embed_requests:rate1m{{job="{JOB}"}}': [0.0],  # label_values() of it lists the job
+    f'job_method_code:embed_requests:rate1m{{job="{JOB}", method="Embed", code="OK"}}': [0.0],
+}
+
+
 @pytest.fixture(scope="module")
-def provoked(server: ServerProcess, prometheus: Prometheus) -> Provoked:
-    """The load, then a full queue, then expired deadlines; Prometheus scrapes throughout."""
+def fresh_pod(prometheus: Prometheus) -> dict[str, list[float]]:
+    """FRESH_QUERIES' answers on the server before its first call, once each has samples (20 s at
+    most: a rate needs two scrapes, a recording rule an evaluation after them)."""
+    prometheus.wait_for(f'up{{job="{JOB}"}}', lambda v: v == [1.0])
+    deadline = time.monotonic() + 20
+    while True:
+        answers = {q: sorted(float(r["value"][1]) for r in prometheus.query(q)) for q in FRESH_QUERIES}
+        if all(answers.values()) or time.monotonic() > deadline:
+            return answers
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def provoked(server: ServerProcess, prometheus: Prometheus, fresh_pod: dict[str, list[float]]) -> Provoked:
+    """The load, then a full queue, then expired deadlines; Prometheus scrapes throughout (after the
+    fresh pod was looked at)."""
     prometheus.wait_for(f'up{{job="{JOB}"}}', lambda v: v == [1.0])  # counters scraped at 0 first
     with EmbeddingClient(server.address) as c:
         provider = c.info().execution_provider
@@ -274,6 +306,10 @@ def provoked(server: ServerProcess, prometheus: Prometheus) -> Provoked:
     refused = provoke_refusals(server.address)
     exceeded = provoke_deadline_drops(server)
     return Provoked(served, refused, exceeded, provider)
+
+
+def test_a_fresh_pod_shows_zero_requests_and_errors_not_no_data(fresh_pod: dict[str, list[float]]) -> None:
+    assert fresh_pod == FRESH_QUERIES
 
 
 def test_the_server_target_is_up(prometheus: Prometheus, provoked: Provoked) -> None:

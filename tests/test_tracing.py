@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 import types
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +22,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
@@ -47,13 +50,14 @@ async def _traced(scenario: Scenario, tmp_path: Path) -> None:
     address, stop = f"ipc://{tmp_path}/engine.sock", asyncio.Event()
     engine_task = asyncio.create_task(engine.serve(address, stop, lambda facts: None))
     exporter = InMemorySpanExporter()
-    front = create_front(
-        config, 0, "127.0.0.1:0", address, depth, tracer=RequestTracer(SimpleSpanProcessor(exporter))
-    )
+    tracer = RequestTracer(SimpleSpanProcessor(exporter))
+    front = create_front(config, 0, "127.0.0.1:0", address, depth, "127.0.0.1:0", tracer)
     await start(front)
     try:
         await scenario(front, exporter)
     finally:
+        assert front.http is not None
+        await front.http.stop()
         await front.server.stop(None)
         front.engine.close()
         stop.set()
@@ -118,6 +122,68 @@ async def a_refused_call(front: Front, exporter: InMemorySpanExporter) -> None:
     assert server.parent.span_id == PARENT_ID  # the caller's trace goes on
     assert server.attributes["request.id"] == "refused-1"
     assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+def test_an_http_embed_is_one_trace_under_a_server_span_continuing_the_callers(tmp_path):
+    traced(an_http_embed, tmp_path)
+
+
+def post_embeddings(port: int, body: dict[str, Any], headers: dict[str, str]) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/embeddings",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+async def an_http_embed(front: Front, exporter: InMemorySpanExporter) -> None:
+    assert front.http is not None
+    caller = {"traceparent": f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01", logs.REQUEST_ID_HEADER: "http-1"}
+    status = await asyncio.to_thread(post_embeddings, front.http.port, {"input": ["over HTTP"]}, caller)
+    assert status == 200
+    await wait_until(lambda: "POST /v1/embeddings" in by_name(exporter.get_finished_spans()))
+    spans = by_name(exporter.get_finished_spans())
+    server = spans["POST /v1/embeddings"]
+    assert server.kind == SpanKind.SERVER and server.attributes["request.id"] == "http-1"
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.context.trace_id == TRACE_ID and server.parent is not None
+    assert server.parent.span_id == PARENT_ID
+    for name in ("tokenize", "queue_wait", "model_run"):
+        child = spans[name]
+        assert child.parent is not None and child.parent.span_id == server.context.span_id, name
+        assert server.start_time <= child.start_time <= child.end_time <= server.end_time, name
+
+
+def test_a_refused_http_call_has_its_server_span_with_the_status_and_no_children(tmp_path):
+    traced(a_refused_http_call, tmp_path)
+
+
+async def a_refused_http_call(front: Front, exporter: InMemorySpanExporter) -> None:
+    assert front.http is not None
+    assert await asyncio.to_thread(post_embeddings, front.http.port, {"input": []}, {}) == 400
+    await wait_until(exporter.get_finished_spans)
+    (server,) = exporter.get_finished_spans()
+    assert server.name == "POST /v1/embeddings" and server.parent is None
+    assert server.attributes["http.response.status_code"] == 400
+
+
+def test_an_http_call_the_server_fails_marks_its_server_span_an_error(tmp_path):
+    traced(an_http_call_while_draining, tmp_path)
+
+
+async def an_http_call_while_draining(front: Front, exporter: InMemorySpanExporter) -> None:
+    assert front.http is not None
+    await front.readiness.not_serving("draining")
+    assert await asyncio.to_thread(post_embeddings, front.http.port, {"input": ["late"]}, {}) == 503
+    await wait_until(exporter.get_finished_spans)
+    (server,) = exporter.get_finished_spans()
+    assert server.attributes["http.response.status_code"] == 503
+    assert server.status.status_code == StatusCode.ERROR
 
 
 def test_health_checks_are_not_traced(tmp_path):
