@@ -26,6 +26,7 @@ from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
 from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
+from minilm_embed.model.directories import OutputError, check_out
 from minilm_embed.model.repository import (
     CUDA_PROVIDER,
     FP32_FILE,
@@ -43,6 +44,7 @@ from minilm_embed.model.weights import (
     WeightsError,
     default_weights_dir,
     load_checkpoint,
+    read_tokenizer,
 )
 
 CALIBRATION_SENTENCES = 800
@@ -117,10 +119,7 @@ def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
-    try:
-        tokenizer = Tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
-    except Exception as e:  # the tokenizers library raises its parse errors as plain Exception
-        raise WeightsError(f"{weights / TOKENIZER_FILE}: not a tokenizer the library can read: {e}") from None
+    tokenizer = read_tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
     shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
@@ -180,28 +179,10 @@ def replace_dir(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-class OutputError(Exception):
-    """An --out that is not a model repository's place; the message says why."""
-
-
-def check_out(out: Path) -> None:
-    """--out must name a directory that is absent, empty, or a model repository (it is replaced
-    whole): a typo such as `--out build` must not delete what is there."""
-    if not out.resolve().name or out.resolve() == Path.cwd().resolve():
-        raise OutputError(f"--out {out}: name a directory of its own (it is replaced whole)")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise OutputError(
-            f"--out {out} holds files but no {MANIFEST_FILE}: not a model repository, so it is not "
-            "replaced; name a new directory, or remove it first"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        check_out(args.out)
+        check_out(args.out, MANIFEST_FILE, "a model repository")
         weights = args.weights or default_weights_dir()
         expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
         args.out.parent.mkdir(parents=True, exist_ok=True)

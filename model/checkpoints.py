@@ -5,28 +5,31 @@ and the run's log as JSON lines."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from minilm_embed.model.loop import Run
+from minilm_embed.model.loop import Plan, Run
+from minilm_embed.model.pairs import TrainingData
 from minilm_embed.model.weights import WeightsError, save_checkpoint
 
 STATE_FILE = "training_state.pt"
 LOG_FILE = "training_log.jsonl"
 
 
-def save(run: Run, tokenizer_file: Path, out: Path, model_id: str) -> None:
+def save(run: Run, tokenizer_file: Path, out: Path, model_id: str, order: dict[str, Any]) -> None:
     """The model, its tokenizer and what --resume needs, into `out`, which holds either the last whole
     checkpoint or this one: a run killed while saving must not leave step N's weights beside step M's
     optimizer. Written beside it, then swapped in by renames; a crash between the two renames leaves
     the last checkpoint in `<out>.previous` (restore names it)."""
     partial, previous = _beside(out, "partial"), _beside(out, "previous")
     shutil.rmtree(partial, ignore_errors=True)
-    _write(run, tokenizer_file, partial, model_id)
+    _write(run, tokenizer_file, partial, model_id, order)
     if out.exists():
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(out, previous)
@@ -38,7 +41,7 @@ def _beside(out: Path, what: str) -> Path:
     return out.with_name(f"{out.name}.{what}")
 
 
-def _write(run: Run, tokenizer_file: Path, out: Path, model_id: str) -> None:
+def _write(run: Run, tokenizer_file: Path, out: Path, model_id: str, order: dict[str, Any]) -> None:
     save_checkpoint(run.model, tokenizer_file, out, model_id)
     state = {
         "step": run.step,
@@ -46,6 +49,7 @@ def _write(run: Run, tokenizer_file: Path, out: Path, model_id: str) -> None:
         "scheduler": run.scheduler.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "history": run.history,
+        "batch_order": order,
     }
     torch.save(state, out / STATE_FILE)
     lines = (json.dumps(entry) + "\n" for entry in run.history)
@@ -62,12 +66,53 @@ def resumable(directory: Path) -> Path:
     return directory
 
 
-def restore(run: Run, directory: Path) -> None:
-    """Continue `run` from a checkpoint directory that `save` wrote."""
+def batch_order(plan: Plan, data: TrainingData) -> dict[str, Any]:
+    """What fixes the batches of every step: a resumed run must have the same, or it would continue on
+    other batches than the run it continues."""
+    digest = hashlib.sha256(json.dumps([data.pairs, data.scored]).encode()).hexdigest()
+    return {
+        "batch_size": plan.batch_size,
+        "seed": plan.seed,
+        "pairs": len(data.pairs),
+        "scored_pairs": len(data.scored),
+        "data_sha256": digest,
+    }
+
+
+def _counts(order: dict[str, Any]) -> tuple[int, int]:
+    return order["pairs"], order["scored_pairs"]
+
+
+def _order_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How the batch order asked for now differs from the checkpoint's, if it does."""
+    for key in ("batch_size", "seed"):
+        if saved[key] != now[key]:
+            return f"it was trained with --{key.replace('_', '-')} {saved[key]}, not {now[key]}"
+    if saved["data_sha256"] != now["data_sha256"]:
+        return (
+            f"its training data were {saved['pairs']} pairs and {saved['scored_pairs']} scored pairs, "
+            f"those given now are {now['pairs']} and {now['scored_pairs']}"
+            + (" (the same counts, other texts)" if _counts(saved) == _counts(now) else "")
+        )
+    return None
+
+
+def restore(run: Run, directory: Path, order: dict[str, Any], total_steps: int) -> None:
+    """Continue `run` from a checkpoint directory that `save` wrote, on the batches it would have seen."""
     path = resumable(directory) / STATE_FILE
     if not path.is_file():
         raise WeightsError(f"{path}: no training state to resume from (was it written by model.train?)")
     state = torch.load(path, weights_only=True)
+    problem = _order_problem(state["batch_order"], order) if "batch_order" in state else None
+    if problem is None and int(state["step"]) > total_steps:
+        problem = (
+            f"it is at step {state['step']}, past the {total_steps} steps asked for (--max-steps/--epochs)"
+        )
+    if problem:
+        raise WeightsError(
+            f"--resume {directory}: {problem}; repeat the first run's data and flags to continue it, "
+            f"or start a new run from it with --weights {directory}"
+        )
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,12 @@ def sts_path(data_dir: Path, split: str) -> Path:
 
 
 def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) for each line; bytes that are not UTF-8 are a DataError naming the line."""
+    """(line number, text) for each line; bytes that are not UTF-8 are a DataError naming the line. A
+    byte-order mark at the start (Windows tools write one) is skipped."""
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minilm_embed.model.checkpoints import restore, resumable, save
+from minilm_embed.model.checkpoints import STATE_FILE, batch_order, restore, resumable, save
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import DataError
+from minilm_embed.model.directories import OutputError, check_out
 from minilm_embed.model.encoder import Encoder
 from minilm_embed.model.evaluate import DevSet
 from minilm_embed.model.loop import Plan, Run, evaluate, fit, loss_window, make_run, mean, seed_everything
 from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
-from minilm_embed.model.tokenizer import Tokenizer
-from minilm_embed.model.weights import WeightsError, default_weights_dir, load_checkpoint
+from minilm_embed.model.weights import WeightsError, default_weights_dir, load_checkpoint, read_tokenizer
 
 DEFAULT_LR = {"default": 2e-5, "scratch": 1e-3}
 
@@ -150,7 +150,7 @@ def build_model(args: argparse.Namespace) -> tuple[Encoder, Path, str]:
     if args.init == "default":
         model, ckpt = load_checkpoint(weights)
         return model, weights / "tokenizer.json", f"{ckpt.model_id}-finetuned"
-    vocab = Tokenizer(weights / "tokenizer.json", args.max_seq_length).vocab_size
+    vocab = read_tokenizer(weights / "tokenizer.json", args.max_seq_length).vocab_size
     model = Encoder(scratch_config(args, vocab))
     model.apply(init_weights)
     if args.position == "sinusoidal":
@@ -212,18 +212,20 @@ def prepare(
     seed_everything(args.seed)
     model, tokenizer_file, model_id = build_model(args)
     model.train()
-    tokenizer = Tokenizer(tokenizer_file, model.config.max_seq_length)
+    tokenizer = read_tokenizer(tokenizer_file, model.config.max_seq_length)
     data = tokenize(tokenizer, *texts)
     dev = DevSet.load(args.data_dir, tokenizer) if args.data_dir is not None else None
     steps = plan(args, data)
     run = new_run(args, model, steps.total_steps)
+    order = batch_order(steps, data)
     if args.resume is not None:
-        restore(run, args.resume)
-    return run, data, steps, dev, lambda: save(run, tokenizer_file, args.out, model_id)
+        restore(run, args.resume, order, steps.total_steps)
+    return run, data, steps, dev, lambda: save(run, tokenizer_file, args.out, model_id, order)
 
 
 def train(args: argparse.Namespace) -> Summary:
     """Train as the arguments say, evaluating before and after; the checkpoint is saved at the end."""
+    check_out(args.out, STATE_FILE, "a checkpoint written by model.train")  # before hours of training
     run, data, steps, dev, save_to = prepare(args)
     first = run.step
     before = evaluate(run, dev)
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         summary = train(args)
-    except (DataError, WeightsError, OSError) as e:
+    except (DataError, WeightsError, OutputError, OSError) as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines(args.out)))

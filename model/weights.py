@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.encoder import Encoder
+from minilm_embed.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -107,7 +108,22 @@ def _check_directory(directory: Path) -> None:
         raise WeightsError(f"{directory}: not a directory")
     missing = [name for name in REQUIRED_FILES if not (directory / name).is_file()]
     if missing:
-        raise WeightsError(f"{directory}: not a BERT-family checkpoint (missing {', '.join(missing)})")
+        hints = "".join(f"; {hint}" for hint in _layout_hints(directory, missing))
+        raise WeightsError(f"{directory}: not a BERT-family checkpoint (missing {', '.join(missing)}{hints})")
+
+
+def _layout_hints(directory: Path, missing: list[str]) -> list[str]:
+    """What a directory from the Hugging Face hub holds instead of the files it lacks."""
+    hints = []
+    if (directory / "snapshots").is_dir():
+        hints.append("a Hugging Face cache folder: give one of its snapshots/<revision> directories")
+    if WEIGHTS_FILE in missing and (directory / "pytorch_model.bin").is_file():
+        hints.append(
+            f"pytorch_model.bin is not read: convert it to {WEIGHTS_FILE} (transformers' save_pretrained)"
+        )
+    if "tokenizer.json" in missing and (directory / "vocab.txt").is_file():
+        hints.append("vocab.txt is not read: write tokenizer.json (a fast tokenizer's save_pretrained)")
+    return hints
 
 
 def _pooling(directory: Path) -> str:
@@ -277,6 +293,17 @@ def save_checkpoint(model: Encoder, tokenizer_file: Path, out: Path, model_id: s
     _write_json(out / "modules.json", modules)
     if tokenizer_file.resolve() != (out / "tokenizer.json").resolve():
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+
+
+def read_tokenizer(path: Path, max_length: int) -> Tokenizer:
+    """A checkpoint's tokenizer.json; one missing, or that the library cannot read (an HTML page
+    saved by a failed download), is a WeightsError naming it."""
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such file (the checkpoint's tokenizer)")
+    try:
+        return Tokenizer(path, max_length)
+    except Exception as e:  # the tokenizers library raises its parse errors as plain Exception
+        raise WeightsError(f"{path}: not a tokenizer the library can read: {e}") from None
 
 
 def _write_json(path: Path, data: Any) -> None:

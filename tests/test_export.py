@@ -45,6 +45,8 @@ from minilm_embed.export.parity import (
     run_int8_gate,
     run_parity,
 )
+from minilm_embed.model.config import EncoderConfig
+from minilm_embed.model.encoder import Encoder
 from minilm_embed.model.evaluate import Embedder, length_sorted, torch_embedder
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
@@ -54,7 +56,13 @@ from minilm_embed.model.repository import (
     WORD_EMBEDDINGS_FILE,
 )
 from minilm_embed.model.tokenizer import pad_batch
-from minilm_embed.model.weights import DEFAULT_SHA256, WEIGHTS_FILE, default_weights_dir, sha256_file
+from minilm_embed.model.weights import (
+    DEFAULT_SHA256,
+    WEIGHTS_FILE,
+    default_weights_dir,
+    save_checkpoint,
+    sha256_file,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY_FILES = {"model.onnx", "word_embeddings.f32", "tokenizer.json", "manifest.json"}
@@ -562,3 +570,16 @@ def test_built_int8_graph_sums_exactly_on_this_cpu_even_at_extreme_activations(m
         (got,) = session.run(None, {"x": x, "x_scale": np.ones((len(x), 1), np.float32)})
         want = (x.astype(np.int64) - 128) @ w.astype(np.int64)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=node.name)
+
+
+def test_a_checkpoint_that_does_not_normalise_exports(tmp_path):
+    """A sentence-transformers checkpoint without a Normalize module (modules.json lists only the
+    Transformer and Pooling, as for a plain BERT) returns raw pooled vectors: the graph's `embeddings`
+    are still their normalisation, and the gate compares it with that, not with the raw vectors."""
+    torch.manual_seed(0)
+    config = EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, normalize=False)
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(Encoder(config).eval(), default_weights_dir() / "tokenizer.json", ckpt, "plain-bert")
+    result = run_export("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["normalize"] is False

@@ -187,3 +187,83 @@ def test_a_run_stopped_between_the_renames_names_the_checkpoint_to_resume(tmp_pa
     )
     assert done.returncode == 2, done.stderr
     assert "ckpt.previous holds the last whole checkpoint" in done.stderr, done.stderr
+
+
+def test_out_that_is_not_a_checkpoint_is_refused_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out is replaced whole: a directory holding anything but a checkpoint of this command (a typo
+    such as `--out build`) is refused before training, and what it holds is kept."""
+    notes = tmp_path / "mine"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "sub" / "notes.txt").write_text("keep me")
+    args = [*TINY, "--pairs", str(write_pairs(tmp_path / "pairs.jsonl")), "--max-steps", "1"]
+    for out, message in [
+        (notes, f"--out {notes} holds files but no training_state.pt"),
+        (Path("."), "--out .: name a directory of its own"),
+    ]:
+        assert train.main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("train: error: ") and message in err, err
+    assert (notes / "sub" / "notes.txt").read_text() == "keep me"
+    assert train.main([*args, "--out", str(tmp_path / "ckpt")]) == 0
+    assert train.main([*args, "--out", str(tmp_path / "ckpt")]) == 0  # its own checkpoint: replaced
+
+
+def test_a_missing_or_unreadable_tokenizer_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --weights directory whose tokenizer.json is missing (a scratch model reads only that file) or
+    not a tokenizer (an HTML error page saved by a failed download): one line naming it, status 2."""
+    pairs_file = str(write_pairs(tmp_path / "pairs.jsonl"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    command = [*TINY, "--weights", str(bare), "--pairs", pairs_file, "--out", str(tmp_path / "a")]
+    assert train.main(command) == 2
+    assert capsys.readouterr().err.startswith(f"train: error: {bare / 'tokenizer.json'}: no such file")
+
+    ckpt = tmp_path / "ckpt"
+    assert train.main([*TINY, "--pairs", pairs_file, "--max-steps", "1", "--out", str(ckpt)]) == 0
+    (ckpt / "tokenizer.json").write_text("<html>404 Not Found</html>\n")
+    capsys.readouterr()
+    for init in (["--init", "default"], TINY):
+        command = [*init, "--weights", str(ckpt), "--pairs", pairs_file, "--out", str(tmp_path / "b")]
+        assert train.main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"train: error: {ckpt / 'tokenizer.json'}: not a tokenizer"), err
+        assert len(err.splitlines()) == 1
+
+
+def test_resume_with_other_batches_is_refused_naming_the_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The batches of each step follow from the data, --batch-size and --seed: a resume given others
+    would silently train on other batches than the run it continues, so it is refused, naming them."""
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--max-steps", "2"]
+    ckpt = tmp_path / "ckpt"
+    assert train.main([*args, "--out", str(ckpt)]) == 0
+    capsys.readouterr()
+    other_data = tmp_path / "other.jsonl"
+    write_pairs(other_data)
+    resume = ["--resume", str(ckpt), "--out", str(tmp_path / "resumed")]
+    for extra, message in [
+        (["--batch-size", "2"], "--batch-size 4, not 2"),
+        (["--seed", "1"], "--seed 0, not 1"),
+        (["--pairs", str(other_data)], "its training data were 0 pairs and 16 scored pairs"),
+        (["--max-steps", "1"], "it is at step 2, past the 1 steps asked for"),
+    ]:
+        assert train.main([*args, *extra, *resume]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith(f"train: error: --resume {ckpt}: ") and message in err, err
+    assert not (tmp_path / "resumed").exists()
+    assert train.main([*args, "--max-steps", "3", *resume]) == 0  # the same batches, further: allowed
+
+
+def test_pairs_written_with_a_byte_order_mark_train(tmp_path: Path) -> None:
+    """Windows tools (PowerShell's Out-File, Excel's "CSV UTF-8") start UTF-8 files with a byte-order
+    mark, and end lines with CR LF: the pairs are the same pairs."""
+    plain = write_pairs(tmp_path / "pairs.jsonl").read_text(encoding="utf-8")
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode("utf-8"))
+    assert pairs.read_pairs(marked) == pairs.read_pairs(tmp_path / "pairs.jsonl")

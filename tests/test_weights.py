@@ -208,3 +208,22 @@ def test_save_then_load_gives_identical_outputs(tmp_path, tokenizer, changes):
     assert torch.equal(loaded_embeddings, embeddings)
     norms = embeddings.norm(dim=1).numpy()
     assert np.allclose(norms, 1.0, atol=1e-5) == config.normalize
+
+
+@pytest.mark.parametrize(
+    ("layout", "hint"),
+    [
+        (["pytorch_model.bin", "config.json", "tokenizer.json"], "pytorch_model.bin is not read"),
+        (["model.safetensors", "config.json", "vocab.txt"], "vocab.txt is not read"),
+        (["snapshots/abc123/config.json", "refs/main"], "a Hugging Face cache folder"),
+    ],
+)
+def test_a_hub_layout_missing_our_files_says_what_to_give_instead(tmp_path, layout, hint):
+    """Directories a user has at hand from the Hugging Face hub: older checkpoints' pytorch_model.bin
+    and vocab.txt, the cache's models--org--name folder. The error says what it lacks and why."""
+    for name in layout:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    with pytest.raises(WeightsError, match=re.escape(f"{tmp_path}: not a BERT-family checkpoint")) as e:
+        load_checkpoint(tmp_path)
+    assert hint in str(e.value), str(e.value)
