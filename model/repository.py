@@ -268,7 +268,7 @@ def read_manifest(directory: Path) -> Manifest:
     """manifest.json, version-checked and typed; every problem is one line naming the file."""
     path = directory / MANIFEST_FILE
     if not path.is_file():
-        raise ModelRepositoryError(f"{path}: missing; build the model repository with `make model`")
+        raise ModelRepositoryError(f"{path}: missing; {_how_to_build(directory)}")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -279,6 +279,16 @@ def read_manifest(directory: Path) -> Manifest:
         return Manifest.from_dict(document)
     except ModelRepositoryError as e:
         raise ModelRepositoryError(f"{path}: {e}") from None
+
+
+def _how_to_build(directory: Path) -> str:
+    """A checkpoint (weights, not a model repository) is exported; anything else built from the default."""
+    if (directory / "model.safetensors").is_file():
+        return (
+            f"{directory} holds a checkpoint, not a model repository: export it with "
+            f"`python -m minilm_embed.export --weights {directory} --out DIR` and serve DIR"
+        )
+    return "build the model repository with `make model` (or `python -m minilm_embed.export --out DIR`)"
 
 
 def verified_tokenizer(directory: Path, manifest: Manifest) -> Path:

@@ -133,3 +133,19 @@ def test_an_untrustworthy_manifest_stops_the_server_with_one_line(edited, case):
     assert done.returncode == 2
     assert done.stderr.startswith("server: error: ") and done.stderr.count("\n") == 1, done.stderr
     assert message in done.stderr
+
+
+def test_serving_a_training_checkpoint_says_to_export_it(tmp_path):
+    """A fine-tuner's first mistake: --model-dir at what model.train wrote (weights, no manifest)."""
+    checkpoint = tmp_path / "my-encoder"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"")  # what tells a checkpoint apart; never read here
+    done = serve(checkpoint)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"python -m minilm_embed.export --weights {checkpoint} --out DIR" in done.stderr
+    assert "make model" not in done.stderr  # that builds the default weights, not these
+
+
+def test_serving_an_empty_directory_says_how_to_build_a_repository(tmp_path):
+    done = serve(tmp_path)
+    assert done.returncode == 2 and "manifest.json: missing; build the model repository" in done.stderr
