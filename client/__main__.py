@@ -11,9 +11,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from minilm_embed.client import bulk
 from minilm_embed.client.client import (
@@ -82,6 +85,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+_INT64 = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def as_json(message: Message) -> dict[str, Any]:
+    """`message` as protobuf's JSON mapping has it, every field included, but 64-bit integers as JSON
+    numbers: the mapping writes them as strings (for JavaScript, whose numbers are doubles), and
+    `info` showed maxMessageBytes as "2097152", which `jq '... > 1000000'` compares as a string."""
+    out = MessageToDict(message, always_print_fields_with_no_presence=True)
+    _int64_as_numbers(message, out)
+    return out
+
+
+def _int64_as_numbers(message: Message, out: dict[str, Any]) -> None:
+    for field in message.DESCRIPTOR.fields:
+        key = field.json_name
+        if key not in out:
+            continue
+        kind = field.message_type
+        if kind is not None and kind.GetOptions().map_entry:  # JSON: an object, its keys strings
+            if kind.fields_by_name["value"].type in _INT64:  # (the API has no map of messages)
+                out[key] = {k: int(v) for k, v in out[key].items()}
+        elif field.type in _INT64:
+            out[key] = [int(v) for v in out[key]] if field.is_repeated else int(out[key])
+        elif kind is not None:
+            value = getattr(message, field.name)
+            pairs = zip(value, out[key], strict=True) if field.is_repeated else [(value, out[key])]
+            for item, item_out in pairs:
+                _int64_as_numbers(item, item_out)
+
+
 def security(args: argparse.Namespace) -> Security:
     token = (
         args.token_file.read_text(encoding="utf-8").strip()
@@ -97,12 +136,11 @@ def cmd_embed(args: argparse.Namespace) -> int:
     with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         request = embed_request(args.texts, normalize=not args.no_normalize, truncate=not args.no_truncate)
         response = c.embed_response(request)
-    usage = [MessageToDict(e.usage, always_print_fields_with_no_presence=True) for e in response.embeddings]
     out = {
         "dimensions": response.dimensions,
         "embeddings": to_array(response).tolist(),
-        "usage": usage,
-        "timing": MessageToDict(response.timing, always_print_fields_with_no_presence=True),
+        "usage": [as_json(e.usage) for e in response.embeddings],
+        "timing": as_json(response.timing),
     }
     print(json.dumps(out))
     return 0
@@ -237,7 +275,7 @@ def cmd_embed_file(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         info = c.info()
-    print(json.dumps(MessageToDict(info, always_print_fields_with_no_presence=True), indent=2))
+    print(json.dumps(as_json(info), indent=2))
     return 0
 
 

@@ -57,7 +57,9 @@ def test_embed_prints_json_with_one_vector_per_text(server, client):
     assert vectors.shape == (2, 384)
     assert np.allclose(vectors, client.embed(texts), atol=1e-6)
     assert [u["tokens"] for u in out["usage"]] == [len(t.ids) for t in client.tokenize(texts).tokens]
-    assert int(out["timing"]["totalUs"]) > 0
+    timing = out["timing"]  # uint64s, numbers as every other field (protobuf's JSON writes strings)
+    assert {name: type(value) for name, value in timing.items()} == dict.fromkeys(timing, int)
+    assert timing["totalUs"] > 0
 
 
 def test_an_argument_that_is_not_utf8_is_named_not_a_traceback(server):
@@ -103,6 +105,18 @@ def test_info_prints_the_model_and_limits(server):
     assert info["dimensions"] == 384
     assert info["executionProvider"] == "CPUExecutionProvider"
     assert info["limits"]["maxInputsPerRequest"] == 256
+    # A uint64 in the proto: a number, as the other limits, not protobuf's JSON string "2097152".
+    assert info["limits"]["maxMessageBytes"] == 2 * 1024 * 1024
+
+
+def test_every_64_bit_integer_is_a_json_number_nested_and_repeated_ones_too():
+    from minilm_embed.client.__main__ import as_json
+    from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+
+    tokens = pb.TokenizeResponse(tokens=[pb.Tokens(ids=[101, 7592, 102], usage=pb.InputUsage(tokens=3))])
+    assert as_json(tokens)["tokens"][0]["ids"] == [101, 7592, 102]
+    info = as_json(pb.InfoResponse(limits=pb.Limits(max_message_bytes=1 << 40), versions={"server": "1"}))
+    assert (info["limits"]["maxMessageBytes"], info["versions"]) == (1 << 40, {"server": "1"})
 
 
 def test_address_comes_from_embed_address(server):
