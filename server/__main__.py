@@ -1,4 +1,5 @@
-"""minilm-embed-serve: serve embeddings over gRPC until SIGTERM or SIGINT, then drain and exit 0."""
+"""minilm-embed-serve: serve embeddings over gRPC until SIGTERM or SIGINT, then drain and exit 0 (a
+second signal during the drain stops at once: exit 128 + its number)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None, backend_factory: BackendFactory | None = None) -> int:
-    """Exit status: 0 after a drain, 1 when the engine died, 2 for a setting or file that cannot be used.
+    """Exit status: 0 after a drain, 1 when the engine died, 2 for a setting or file that cannot be used,
+    128 + the signal's number when a second stop signal cut the drain short (130 for Ctrl-C twice).
 
     `backend_factory` is how tests and benchmarks put a stand-in model behind the real server; no
     flag reaches it. The server's modules are imported after the stop signals are caught (signals.py).

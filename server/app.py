@@ -9,7 +9,8 @@ gRPC port and the HTTP port (SO_REUSEPORT, so every front can bind them, and por
 all), serves /metrics summed over every process (prometheus_client's multiprocess mode), and
 watches its children:
 - SIGTERM or SIGINT: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
-  exit 0.
+  exit 0. A second one meanwhile (Ctrl-C twice) kills every child at once, cutting the calls in
+  flight; exit 128 + its number (130 for SIGINT), as a death by that signal reads in a shell.
 - a front that dies is started again on the same port (capacity never shrinks silently), after a
   backoff that grows while it keeps dying, and counted (embed_front_restarts_total);
 - the engine dying: every front answers UNAVAILABLE at once and exits; the supervisor exits 1 so
@@ -126,6 +127,31 @@ def check_ports(config: ServerConfig) -> None:
                 raise cannot_listen(name, where, e) from None
 
 
+def check_cores(config: ServerConfig, cores: int) -> None:
+    """Refuse --threads or --model-instances above `cores` (usable_cores: the CPU affinity, at most the
+    cgroup's CPU limit), and warn when both set ask for more threads than that.
+
+    ONNX Runtime starts every thread asked for (a user-acceptance pass reported --threads 100000
+    hanging or exhausting the machine), and more threads or instances than cores cannot run at
+    once: they only take turns.
+    """
+    for name in ("threads", "model_instances"):
+        value = getattr(config, name)
+        if value > cores:
+            raise ConfigError(
+                f"{setting(name)} {value} is more than the {cores} cores this server may use (its CPU "
+                "affinity, at most its cgroup's CPU limit)"
+            )
+    if config.threads * config.model_instances > cores:
+        log.warning(
+            "--threads %d x --model-instances %d is %d threads on %d usable cores: they will take turns",
+            config.threads,
+            config.model_instances,
+            config.threads * config.model_instances,
+            cores,
+        )
+
+
 @contextmanager
 def reserved_port(config: ServerConfig, name: str) -> Iterator[str]:
     """Hold the port of setting `name`'s address (resolving port 0) with SO_REUSEPORT while the fronts
@@ -167,6 +193,11 @@ class Supervisor:
     serving_since: dict[int, float] = field(default_factory=dict)  # front -> time.monotonic()
     delays: dict[int, float] = field(default_factory=dict)  # front -> its last restart delay
     restart_at: dict[int, float] = field(default_factory=dict)  # dead front -> when it starts again
+    # The stop signals caught (signals.catch's list) and the read end of the signal wakeup pipe: the
+    # first signal drains, a second one during the drain stops every child at once (`force`).
+    caught: list[int] = field(default_factory=list)
+    wakeup: int | None = None
+    forced: bool = False
 
     def __post_init__(self) -> None:
         self.engine_address = f"ipc://{self.run_dir}/engine.sock"
@@ -225,15 +256,15 @@ class Supervisor:
                 self.facts.pid,
             )
 
-    def watch(self, wakeup: int, stop: list[int]) -> int:
+    def watch(self) -> int:
         """Until a signal (0) or the engine's end (1): restart fronts that die, handle events."""
-        assert self.engine is not None
-        while not stop:
+        assert self.engine is not None and self.wakeup is not None
+        while not self.caught:
             fronts = {p.sentinel: i for i, p in self.fronts.items()}
-            ready = wait([wakeup, self.engine.sentinel, *fronts, *self.events], self._until_restart())
+            ready = wait([self.wakeup, self.engine.sentinel, *fronts, *self.events], self._until_restart())
             for item in ready:
-                if item == wakeup:
-                    os.read(wakeup, 512)
+                if item == self.wakeup:
+                    os.read(self.wakeup, 512)
                 elif isinstance(item, Connection):
                     if item in self.events:  # not the pipe of a front that died in this pass
                         self._read(item)
@@ -242,7 +273,7 @@ class Supervisor:
                     return 1
                 elif item in fronts:
                     self._front_died(fronts[item])
-            if not stop:
+            if not self.caught:
                 self._restart_due()
         return 0
 
@@ -297,17 +328,19 @@ class Supervisor:
             self.start_front(index)
 
     def stop(self) -> int:
-        """Drain every front, then stop the engine; the exit status for the server."""
+        """Drain every front, then stop the engine; the exit status for the server: 128 + the signal's
+        number when a second stop signal cut the drain short (a shell's code for a death by it)."""
         started = time.monotonic()
         deadline = started + self.config.drain_timeout_s + STOP_MARGIN_S
         for front in self.fronts.values():
             _signal(front, signal.SIGTERM)
+        self._wait_for(list(self.fronts.values()), deadline)
         # A front still starting up (importing, before run_front's first line) dies of the SIGTERM
         # itself: it had accepted no call, so that is a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
         codes = [0 if code == -signal.SIGTERM else code for code in codes]
         served = self.announced or self.serving
-        if codes and served:  # a server that never served stops with its one line of why
+        if codes and served and not self.forced:  # one that never served stops with its one line of why
             log.info("fronts stopped after %.1fs, exit codes %s", time.monotonic() - started, codes)
         if self.engine is not None and self.facts is None and not self.start_error and self.engine.is_alive():
             # Still loading or warming up (a rollout's SIGTERM during a slow start): no front is left
@@ -317,9 +350,42 @@ class Supervisor:
             self.engine.join()
         elif self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
+            self._wait_for([self.engine], time.monotonic() + STOP_MARGIN_S)
             codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
+        if self.forced:
+            return 128 + self.caught[-1]
         # Stopped before it ever served: no call was accepted, so none was lost.
         return 0 if all(code == 0 for code in codes) or not served else 1
+
+    def _wait_for(self, processes: list[BaseProcess], deadline: float) -> None:
+        """Until `processes` have ended or `deadline` passes, or a second stop signal came (`force`)."""
+        while not self._second_signal() and (alive := [p.sentinel for p in processes if p.is_alive()]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wakeup = [] if self.wakeup is None else [self.wakeup]
+            if self.wakeup in wait([*alive, *wakeup], left):
+                os.read(self.wakeup, 512)
+
+    def _second_signal(self) -> bool:
+        if len(self.caught) > 1 and not self.forced:
+            self.force()
+        return self.forced
+
+    def force(self) -> None:
+        """Kill every child now: an operator's second Ctrl-C must not wait out the drain (as uvicorn's,
+        gunicorn's). Calls in flight are cut: their clients see the connection close (UNAVAILABLE)."""
+        self.forced = True
+        children = [p for p in (*self.fronts.values(), self.engine) if p is not None and p.is_alive()]
+        log.warning(
+            "a second stop signal (%s) while draining: stopping now, calls in flight are cut (%d "
+            "processes killed, exit %d)",
+            signal.Signals(self.caught[-1]).name,
+            len(children),
+            128 + self.caught[-1],
+        )
+        for process in children:
+            process.kill()
 
 
 def _signal(process: BaseProcess, signum: int) -> None:
@@ -362,6 +428,7 @@ def serve(
     `environ`, the environment load_config read: its EMBED_* variables that are no setting are named
     in one warning, once logging is set up."""
     check_security(config)
+    check_cores(config, usable_cores())
     check_ports(config)
     warn_of_unknown_variables(environ or {})
     with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:
@@ -384,7 +451,8 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
     wakeup_read, wakeup_write = os.pipe()
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
-    stop = signals.catch()  # holds any signal that came while the server was still importing
+    supervisor.wakeup = wakeup_read
+    supervisor.caught = signals.catch()  # holds any signal that came while the server was still importing
     if supervisor.config.metrics_address:  # first: a port in use fails here, before any child starts
         registry = scrape_registry(metrics_dir, supervisor.pids, supervisor.metrics)
         where = supervisor.config.listen_addresses()["metrics_address"]
@@ -401,9 +469,12 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
             supervisor.start_front(index)
         if supervisor.http_address:
             log.info("http on port %s", supervisor.http_address.rpartition(":")[2])
-        code = supervisor.watch(wakeup_read, stop)
+        code = supervisor.watch()
         if code == 0:
-            log.info("signal received: draining for up to %.0fs", supervisor.config.drain_timeout_s)
+            log.info(
+                "signal received: draining for up to %.0fs (a second signal stops at once)",
+                supervisor.config.drain_timeout_s,
+            )
     except BaseException:  # a child that cannot start, or a bug here: no child outlives the server
         supervisor.stop()
         raise
@@ -416,3 +487,9 @@ def configure_process(config: ServerConfig) -> None:
     configure_logging(config)
     # The tokenizer's own thread pool would compete with ONNX Runtime's threads for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # gRPC's C core logs past Python's logging, in absl's format (never JSON), and since it moved to
+    # absl its default prints INFO lines too: one per client that fails the TLS handshake (a port
+    # scan, a plaintext client). Errors only, gRPC's documented default, unless the operator sets it;
+    # read by each child as it starts gRPC. No hook redirects these lines into our handler (README).
+    if not os.environ.get("GRPC_VERBOSITY"):
+        os.environ["GRPC_VERBOSITY"] = "ERROR"

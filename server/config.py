@@ -15,7 +15,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
 
@@ -176,48 +176,48 @@ class ServerConfig:
         )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+                raise ValueError(f"{setting(name)} must be at least 1, not {getattr(self, name)}")
+        self._check_bounds()
+        self._check_choices()
+
+    def _check_bounds(self) -> None:
         if self.max_request_bytes_in_flight < self.max_message_bytes:
             raise ValueError(
-                f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}) must be at least "
-                f"max_message_bytes ({self.max_message_bytes}), or a largest request could never fit"
+                f"{setting('max_request_bytes_in_flight')} {self.max_request_bytes_in_flight} must be at "
+                f"least {setting('max_message_bytes')} {self.max_message_bytes}, or a largest request "
+                "could never fit"
             )
         if self.max_request_bytes_held < self.max_request_bytes_in_flight:
             raise ValueError(
-                f"max_request_bytes_held ({self.max_request_bytes_held}) must be at least "
-                f"max_request_bytes_in_flight ({self.max_request_bytes_in_flight}): requests being "
-                "handled are held too"
+                f"{setting('max_request_bytes_held')} {self.max_request_bytes_held} must be at least "
+                f"{setting('max_request_bytes_in_flight')} {self.max_request_bytes_in_flight}: requests "
+                "being handled are held too"
             )
-        if self.max_waiting_calls < 0:
-            raise ValueError(f"max_waiting_calls must be 0 or more, not {self.max_waiting_calls}")
-        for name in ("http_body_timeout_s", "http_header_timeout_s"):
+        for name in ("http_body_timeout_s", "http_header_timeout_s", "max_connection_age_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be more than 0, not {getattr(self, name)}")
-        for name in ("max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
+                raise ValueError(f"{setting(name)} must be more than 0, not {getattr(self, name)}")
+        for name in ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
-        if self.max_connection_age_s <= 0:
-            raise ValueError(f"max_connection_age_s must be more than 0, not {self.max_connection_age_s}")
-        for name in ("max_batch_tokens", "max_batch_size"):
+                raise ValueError(f"{setting(name)} must be 0 or more, not {getattr(self, name)}")
+        auto = ("max_batch_tokens", "max_batch_size", "front_processes", "model_instances", "threads")
+        for name in auto:
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 (auto) or more, not {getattr(self, name)}")
-        if self.front_processes < 0:
-            raise ValueError(f"front_processes must be 0 (auto) or more, not {self.front_processes}")
-        if self.model_instances < 0 or self.threads < 0:
-            raise ValueError(
-                f"model_instances and threads must be 0 (auto) or more, not {self.model_instances} "
-                f"and {self.threads}"
-            )
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, not {self.log_level!r}")
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format must be text or json, not {self.log_format!r}")
+                raise ValueError(f"{setting(name)} must be 0 (auto) or more, not {getattr(self, name)}")
         if not 0.0 <= self.max_padding <= 1.0:
-            raise ValueError(f"max_padding must be between 0 and 1, not {self.max_padding}")
-        if self.precision not in ("auto", "fp32", "fp16", "int8"):
-            raise ValueError(f"precision must be auto, fp32, fp16 or int8, not {self.precision!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be auto, cuda or cpu, not {self.device!r}")
+            raise ValueError(f"{setting('max_padding')} must be between 0 and 1, not {self.max_padding}")
+
+    def _check_choices(self) -> None:
+        choices = {
+            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+            "log_format": ("text", "json"),
+            "precision": ("auto", "fp32", "fp16", "int8"),
+            "device": ("auto", "cuda", "cpu"),
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if (value.upper() if name == "log_level" else value) not in allowed:
+                named = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+                raise ValueError(f"{setting(name)} must be {named}, not {value!r}")
 
     def _read_listen_addresses(self) -> None:
         """Each address checked and written one way (host:port, [v6]:port), and no port asked twice."""
@@ -320,14 +320,17 @@ _HELP = {
         "past it a call gets RESOURCE_EXHAUSTED at once"
     ),
     "model_instances": (
-        "batches computed at once (0: as many as fit the cores at --threads, at most 2; 1 on CUDA)"
+        "batches computed at once, at most the usable cores (0: as many as fit the cores at --threads, "
+        "at most 2; 1 on CUDA)"
     ),
-    "threads": "ONNX Runtime intra-op threads per instance (0: usable cores / instances)",
+    "threads": "ONNX Runtime intra-op threads per instance, at most the usable cores (0: usable cores / "
+    "instances)",
     "front_processes": (
         "front processes (gRPC and HTTP: validate, tokenize, respond) sharing the port over one engine "
         "(0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
     ),
-    "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish",
+    "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish (a second signal stops "
+    "at once)",
     "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
     "exits 1 (0: never)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
@@ -358,10 +361,19 @@ def _from_env(environ: Mapping[str, str], env: str, kind: type) -> Any:
         raise ConfigError(f"{env}={environ[env]!r} is not a valid {kind.__name__}") from None
 
 
+PROG = "minilm-embed-serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a flag it cannot read is a ConfigError of one line: argparse's own
+    error() printed the whole usage (all 38 flags, 35 lines) above the one line that mattered."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="minilm-embed-serve", description="Batched gRPC and HTTP embedding server."
-    )
+    parser = _Parser(prog=PROG, description="Batched gRPC and HTTP embedding server.")
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)
@@ -378,12 +390,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerConfig:
-    """Flags override environment variables, which override the defaults."""
-    args = build_parser(environ).parse_args(argv)
+    """Flags override environment variables, which override the defaults. A setting that cannot be
+    used is a ConfigError naming it and the value, with a pointer to --help."""
     try:
+        args = build_parser(environ).parse_args(argv)
         config = ServerConfig(**vars(args))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"{e} (`{PROG} --help` lists every setting)") from None
     for name in ("auth_token", "auth_token_file"):
         # An empty variable is most often a secret that did not arrive: serving open would hide it.
         if environ.get(env_name(name)) == "" and not (config.auth_token or config.auth_token_file):

@@ -4,7 +4,7 @@ Importing the server takes about a second (grpc, numpy, ONNX Runtime's bindings;
 2-vCPU AMD EPYC Zen 3). A rollout that stops a pod it has just started must get the same clean stop,
 exit 0, as one that stops it later, not a death by the signal's default action. `main` catches the
 signals before it imports the rest; the supervisor reads what was caught and goes on catching into
-the same list.
+the same list: its first signal starts the drain, a second one ends it at once (app.Supervisor.force).
 """
 
 from __future__ import annotations

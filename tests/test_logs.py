@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,7 +15,8 @@ import pytest
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
-from tests.server_process import ServerProcess, fault_entry, serving, wait_for
+from tests.server_process import ServerProcess, fault_entry, flags, serving, wait_for
+from tests.test_security import _authority, _leaf
 
 FAULT = "__fault__ in the log tests"
 
@@ -88,6 +91,26 @@ def test_every_line_is_json_and_the_engines_lines_about_a_failing_batch_name_its
     assert all(line.strip().startswith("{") for line in server.lines if line.strip()), "a line is not JSON"
     for line in json_lines(server):
         assert {"ts", "level", "process", "logger", "message"} <= line.keys()
+
+
+def test_clients_failing_the_tls_handshake_leave_no_line_that_is_not_json(tmp_path: Path):
+    """gRPC's C core logs in a format of its own, to the process's stderr, past Python's logging: each
+    plaintext or HTTP/1 connection to a TLS port wrote an INFO line "Handshake failed with error
+    SSL_ERROR_SSL" (any scanner could fill the log with them). The server starts gRPC at its
+    documented default, errors only (GRPC_VERBOSITY=ERROR), unless the operator set it."""
+    _leaf(tmp_path, "server", _authority(tmp_path, "ca"), server=True)
+    tls = {"tls_cert": tmp_path / "server.pem", "tls_key": tmp_path / "server.key", "log_format": "json"}
+    environment = {"GRPC_VERBOSITY": ""}  # unset in effect: the test's own environment must not decide
+    with serving(*flags(tls), env=environment) as server:
+        with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.EmbeddingServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as http:
+            http.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            http.recv(100)  # answered or closed: the handshake has failed by then
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert server.wait(30) == 0
+    foreign = [line for line in server.lines if line.strip() and not line.startswith("{")]
+    assert not foreign, foreign
 
 
 def test_request_id_from_checks_what_the_caller_sent():

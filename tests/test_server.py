@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -794,3 +795,32 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycl
     for o in outcomes:
         assert_close(to_array(o), reference.embed(texts))
     assert server.wait(60) == 0
+
+
+def test_a_second_signal_while_draining_stops_at_once_cutting_the_calls_in_flight():
+    """Ctrl-C twice: the first drains, and a stream left open holds that drain to its 60 s timeout; the
+    second stops every process at once, exit 130 (128 + SIGINT, as a shell reports a death by it), with
+    one line saying so. A user-acceptance pass waited out the whole drain instead."""
+    release = threading.Event()
+
+    def items() -> Iterator[pb.EmbedStreamRequest]:
+        yield pb.EmbedStreamRequest(id="1", request=embed_request(["held open"]))
+        release.wait(60)  # the stream stays open: the drain waits for it
+
+    with serving("--drain-timeout-s", "60") as server, grpc.insecure_channel(server.address) as channel:
+        stream = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(items(), timeout=120)
+        assert next(stream).id == "1"
+        children = [*server.front_pids(), server.engine_pid]
+        server.proc.send_signal(signal.SIGINT)
+        assert wait_for(lambda: any("front 0: draining" in line for line in server.lines), 30)
+        assert not stream.done()  # the drain is under way, held by the stream
+        server.proc.send_signal(signal.SIGINT)
+        code = server.wait(15)  # a quarter of the drain timeout
+        with pytest.raises(grpc.RpcError) as cut:
+            next(stream)
+        release.set()
+    assert code == 130
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+    said = [line for line in server.lines if "second stop signal" in line]
+    assert len(said) == 1 and "(SIGINT) while draining: stopping now" in said[0], said
+    assert not [pid for pid in children if pid is not None and Path(f"/proc/{pid}").exists()]

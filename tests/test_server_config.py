@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.server.backend import usable_cores
 from minilm_embed.server.config import (
     ConfigError,
     ServerConfig,
@@ -77,27 +78,55 @@ def test_help_names_every_flag_and_env_variable():
 
 
 def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The message a refused configuration gives (load_config's own, or argparse's on stderr)."""
-    with pytest.raises((SystemExit, ConfigError)) as e:
+    """The message a refused configuration gives: a ConfigError, argparse's own errors too, with
+    nothing printed (argparse printed its whole usage, 35 lines, above its one line of error)."""
+    with pytest.raises(ConfigError) as e:
         load_config(argv, env)
-    return str(e.value) if isinstance(e.value, ConfigError) else capsys.readouterr().err
+    assert capsys.readouterr() == ("", "")
+    return str(e.value)
 
 
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--max-batch-size", "-1"], {}, "max_batch_size must be 0 (auto) or more, not -1"),
-        (["--queue-limit", "-1"], {}, "queue_limit must be at least 1, not -1"),
-        (["--device", "tpu"], {}, "device must be auto, cuda or cpu, not 'tpu'"),
-        ([], {"EMBED_LOG_FORMAT": "yaml"}, "log_format must be text or json, not 'yaml'"),
-        ([], {"EMBED_DEVICE": "tpu"}, "device must be auto, cuda or cpu, not 'tpu'"),
-        (["--max-batch-size", "many"], {}, "invalid int value: 'many'"),
+        (["--max-batch-size", "-1"], {}, "--max-batch-size (EMBED_MAX_BATCH_SIZE) must be 0 (auto) or more"),
+        (["--queue-limit", "-1"], {}, "--queue-limit (EMBED_QUEUE_LIMIT) must be at least 1, not -1"),
+        (["--device", "tpu"], {}, "--device (EMBED_DEVICE) must be auto, cuda or cpu, not 'tpu'"),
+        (
+            [],
+            {"EMBED_LOG_FORMAT": "yaml"},
+            "--log-format (EMBED_LOG_FORMAT) must be text or json, not 'yaml'",
+        ),
+        ([], {"EMBED_LOG_LEVEL": "loud"}, "must be DEBUG, INFO, WARNING or ERROR, not 'loud'"),
+        ([], {"EMBED_DEVICE": "tpu"}, "--device (EMBED_DEVICE) must be auto, cuda or cpu, not 'tpu'"),
+        (["--max-batch-size", "many"], {}, "argument --max-batch-size: invalid int value: 'many'"),
+        (["--no-such-flag", "1"], {}, "unrecognized arguments: --no-such-flag 1"),
         ([], {"EMBED_MAX_BATCH_SIZE": "many"}, "EMBED_MAX_BATCH_SIZE"),
         # A stream with no room for one unanswered item would never answer anything.
-        (["--max-stream-in-flight", "0"], {}, "max_stream_in_flight must be at least 1, not 0"),
-        (["--max-queue-delay-ms", "-1"], {}, "max_queue_delay_ms must be 0 or more, not -1.0"),
-        ([], {"EMBED_DRAIN_TIMEOUT_S": "-5"}, "drain_timeout_s must be 0 or more, not -5.0"),
-        (["--max-connection-age-s", "0"], {}, "max_connection_age_s must be more than 0, not 0.0"),
+        (
+            ["--max-stream-in-flight", "0"],
+            {},
+            "--max-stream-in-flight (EMBED_MAX_STREAM_IN_FLIGHT) must be at",
+        ),
+        (["--max-queue-delay-ms", "-1"], {}, "--max-queue-delay-ms (EMBED_MAX_QUEUE_DELAY_MS) must be 0 or"),
+        (
+            [],
+            {"EMBED_DRAIN_TIMEOUT_S": "-5"},
+            "--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be 0 or more, not",
+        ),
+        (
+            ["--max-connection-age-s", "0"],
+            {},
+            "--max-connection-age-s (EMBED_MAX_CONNECTION_AGE_S) must be more",
+        ),
+        (["--threads", "-2"], {}, "--threads (EMBED_THREADS) must be 0 (auto) or more, not -2"),
+        (["--max-padding", "2"], {}, "--max-padding (EMBED_MAX_PADDING) must be between 0 and 1, not 2.0"),
+        (
+            ["--max-request-bytes-in-flight", "1024"],
+            {},
+            "--max-request-bytes-in-flight (EMBED_MAX_REQUEST_BYTES_IN_FLIGHT) 1024 must be at least "
+            "--max-message-bytes (EMBED_MAX_MESSAGE_BYTES) 2097152",
+        ),
     ],
 )
 def test_invalid_settings_are_refused_with_a_message_naming_them(argv, env, message, capsys):
@@ -140,8 +169,8 @@ def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-batch-tokens", "-1"], "max_batch_tokens must be 0 (auto) or more, not -1"),
-        (["--device", "tpu"], "device must be auto, cuda or cpu, not 'tpu'"),
+        (["--max-batch-tokens", "-1"], "--max-batch-tokens (EMBED_MAX_BATCH_TOKENS) must be 0 (auto) or"),
+        (["--device", "tpu"], "--device (EMBED_DEVICE) must be auto, cuda or cpu, not 'tpu'"),
     ],
 )
 def test_server_process_refuses_invalid_settings_without_a_traceback(args, message):
@@ -149,6 +178,58 @@ def test_server_process_refuses_invalid_settings_without_a_traceback(args, messa
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+HELP_POINTER = "(`minilm-embed-serve --help` lists every setting)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-batch-size", "many"], "argument --max-batch-size: invalid int value: 'many'"),
+        (["--max-batch-size"], "argument --max-batch-size: expected one argument"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--queue-limit", "0"], "--queue-limit (EMBED_QUEUE_LIMIT) must be at least 1, not 0"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it_and_pointing_to_help_not_the_whole_usage(args, message):
+    """argparse printed its usage, all 38 flags in 35 lines, above the one line that said what was
+    wrong; a value the settings refuse named the field (queue_limit), not the flag."""
+    assert refused_at_start(*args) == f"{message} {HELP_POINTER}"
+
+
+def test_help_still_lists_every_flag_and_exits_0():
+    done = run_server("--help", timeout=60)
+    assert done.returncode == 0, done.stderr
+    for name in FIELDS:
+        assert flag(name) in done.stdout and env_name(name) in done.stdout
+
+
+@pytest.mark.parametrize("name", ["threads", "model_instances"])
+def test_threads_or_instances_above_the_usable_cores_are_refused_at_start(name):
+    """--threads 100000 was reported to hang or exhaust the machine: ONNX Runtime starts every
+    thread it is asked for."""
+    cores = usable_cores()
+    line = refused_at_start(flag(name), str(cores + 1))
+    assert line == (
+        f"{flag(name)} ({env_name(name)}) {cores + 1} is more than the {cores} cores this server may use "
+        "(its CPU affinity, at most its cgroup's CPU limit)"
+    )
+
+
+def test_threads_times_instances_above_the_cores_is_served_with_a_warning(caplog):
+    from minilm_embed.server.app import check_cores
+
+    check_cores(ServerConfig(threads=2, model_instances=2), cores=2)
+    (warning,) = caplog.records
+    assert warning.levelname == "WARNING"
+    assert warning.getMessage() == (
+        "--threads 2 x --model-instances 2 is 4 threads on 2 usable cores: they will take turns"
+    )
+    caplog.clear()
+    check_cores(ServerConfig(threads=2, model_instances=1), cores=2)
+    check_cores(ServerConfig(threads=0, model_instances=2), cores=2)  # auto: planned to fit
+    assert not caplog.records
 
 
 def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():
@@ -357,7 +438,7 @@ def test_float_settings_must_be_finite(name, value, capsys):
 
 def test_an_infinite_drain_timeout_is_refused_by_the_server_without_a_traceback():
     line = refused_at_start("--drain-timeout-s", "inf")
-    assert line == "--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a finite number, not inf"
+    assert line.startswith("--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a finite number, not inf")
 
 
 # TLS files ------------------------------------------------------------------------------------------
