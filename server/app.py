@@ -38,7 +38,7 @@ from typing import Any
 
 from prometheus_client import multiprocess
 
-from minilm_embed.model.repository import CUDA_PROVIDER
+from minilm_embed.model.repository import CUDA_PROVIDER, read_manifest
 from minilm_embed.server import signals
 from minilm_embed.server.backend import usable_cores, wanted_providers
 from minilm_embed.server.config import (
@@ -429,6 +429,9 @@ def serve(
     in one warning, once logging is set up."""
     check_security(config)
     check_cores(config, usable_cores())
+    # The manifest's one line before any port is bound or announced (the graphs' checksums are the
+    # engine's to verify, as it loads them): a wrong --model-dir must not look like a server starting.
+    read_manifest(config.model_dir)
     check_ports(config)
     warn_of_unknown_variables(environ or {})
     with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:

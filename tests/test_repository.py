@@ -149,3 +149,20 @@ def test_serving_a_training_checkpoint_says_to_export_it(tmp_path):
 def test_serving_an_empty_directory_says_how_to_build_a_repository(tmp_path):
     done = serve(tmp_path)
     assert done.returncode == 2 and "manifest.json: missing; build the model repository" in done.stderr
+
+
+def test_a_directory_without_a_manifest_is_refused_before_any_port_is_taken(tmp_path):
+    """Default addresses: no 'metrics on port' or 'http on port' line first, the error alone."""
+    command = [
+        sys.executable,
+        "-m",
+        "minilm_embed.server",
+        "--model-dir",
+        str(tmp_path),
+        "--address",
+        "127.0.0.1:0",
+    ]
+    command += ["--metrics-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("server: error: ") and done.stderr.count("\n") == 1, done.stderr
