@@ -5,8 +5,9 @@ Several fronts serve one port per protocol (SO_REUSEPORT: the kernel spreads con
 Each listens at once with health NOT_SERVING (HTTP /health 503), says HELLO to the engine, and serves
 once the engine answers that it is warm. SIGTERM drains it: NOT_SERVING at once, a moment for
 clients' health watches to move new calls elsewhere, then accepted calls (gRPC and HTTP) finish
-within the drain timeout. If the engine process ends, every waiting call gets UNAVAILABLE at once
-and the front exits non-zero.
+within the drain timeout (an open EmbedStream answers the requests it has read, then ends
+UNAVAILABLE). If the engine process ends, every waiting call gets UNAVAILABLE at once and the front
+exits non-zero.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class Front:
 
 # Calls beyond max_concurrent_calls that gRPC itself admits: health checks and reflection.
 OTHER_CALLS = 64
+# Half the 10 s floor of grpc-go's and grpc-java's client keepalive: a ping a little early (timer
+# jitter) is not a strike, and strikes add up over an idle connection's life.
+MIN_CLIENT_PING_MS = 5000
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -95,6 +99,12 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         # No grace limit (gRPC's default: unlimited): the GOAWAY at that age stops new calls on the
         # connection, and the calls open on it, a long EmbedStream too, end as they would have.
         ("grpc.max_connection_age_ms", age_ms),
+        # Clients' keepalive pings: one every MIN_CLIENT_PING_MS, with or without a call open. gRPC's
+        # default allows one per 5 minutes and none on an idle connection: a client pinging as Go's
+        # and Java's allow (every 10 s) was sent GOAWAY too_many_pings at its third ping, its idle
+        # connection dropped and an open EmbedStream cut with UNAVAILABLE "Too many pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
         # Every front binds the same port; the supervisor holds it reserved (see app.py).
         ("grpc.so_reuseport", 1),
         # No HTTP/2 BDP probing: with it gRPC widens every stream's receive window, and reads the
@@ -274,7 +284,10 @@ async def drain(front: Front, index: int, reason: str = "the server is shutting 
     places = front.service.places
     if served:
         log.info("front %d: draining: %d calls being served, %d waiting", index, places.taken, places.waiting)
-    front.readiness.health.end_watches()  # an open Watch would hold the drain to its timeout
+    # An open Watch or EmbedStream would hold the drain to its timeout: each ends (UNAVAILABLE), a
+    # stream once the requests it has read are answered.
+    front.readiness.health.end_watches()
+    front.service.end_streams()
     timeout = front.config.drain_timeout_s
 
     # Just before gRPC and uvicorn cancel what is still open, the calls waiting for the engine get

@@ -33,6 +33,7 @@ Trailing = tuple[tuple[str, str], ...]
 # A cancel this close to the call's deadline is the caller's deadline passing (see _cancelled_code).
 DEADLINE_SLACK_S = 0.1
 REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
+STREAM_ENDED = "the server is shutting down: a request without an answer was not run; send it on a new stream"
 
 
 M = TypeVar("M", bound=Message)
@@ -63,6 +64,13 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.max_message_bytes = max_message_bytes
         self.places = Places(max_calls, max_waiting)  # calls being served, and waiting to be
         self._warned_at = -REPLACED_ID_WARN_EVERY_S
+        self._ending = asyncio.Event()  # set by end_streams
+
+    def end_streams(self) -> None:
+        """Every EmbedStream, open or to come, reads no further request, answers those it has read,
+        then ends UNAVAILABLE: the server is shutting down. Left open, an idle stream held the drain
+        to its timeout while each request sent on it was refused as not serving."""
+        self._ending.set()
 
     # Requests arrive as bytes (see register): each is held against the front's budget of request
     # bytes before it is parsed, so a flood of large requests past it costs no parsing.
@@ -88,11 +96,13 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        code = grpc.StatusCode.OK
-        self._request_id(context)
+        code, details = grpc.StatusCode.OK, ""
+        trailing = self._request_id(context)
         try:
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
+        except ServiceError as e:  # the stream's own end (end_streams): aborted below, as _serve does
+            code, details = e.code, str(e)
         except (asyncio.CancelledError, GeneratorExit):  # grpc.aio closes the generator, or cancels it
             code = _cancelled_code(context)
             raise
@@ -102,6 +112,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             raise
         finally:
             self._record("EmbedStream", code, started)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, details, trailing)
 
     async def take_place(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """A place among the calls being served, at once or in turn; RESOURCE_EXHAUSTED at once when
@@ -205,6 +217,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         return _response(await self.embedder.embed(job, held), fmt)
 
     async def _tokenize(self, request: pb.TokenizeRequest, held: Hold) -> pb.TokenizeResponse:
+        if not request.texts:  # check_count's message names Embed's `token_ids` too
+            raise InvalidInput("no inputs: set `texts` with at least one text")
         self.embedder.tokenizer.check_count(_inputs(request))
         truncate = request.truncate if request.HasField("truncate") else True
         prepared = await self.embedder.tokenize(list(request.texts), truncate)
@@ -264,23 +278,37 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             task.add_done_callback(done)
 
         async def read() -> None:
+            async for data in requests:
+                await slots.acquire()  # stop reading while the stream has N items unwritten
+                # A stream waits for room in the front's request bytes (reads no further)
+                # rather than refusing an item it could not name before parsing it.
+                start(data, await self.embedder.waiting_to_receive(len(data)))
+
+        async def read_until_ending() -> bool:
+            """Read until the caller half-closes (False) or the server ends its streams (True);
+            either way every request read is answered before the answers end."""
+            reading = asyncio.create_task(read())
+            ending = asyncio.create_task(self._ending.wait())
             try:
-                async for data in requests:
-                    await slots.acquire()  # stop reading while the stream has N items unwritten
-                    # A stream waits for room in the front's request bytes (reads no further)
-                    # rather than refusing an item it could not name before parsing it.
-                    start(data, await self.embedder.waiting_to_receive(len(data)))
+                await asyncio.wait((reading, ending), return_when=asyncio.FIRST_COMPLETED)
+                ended = not reading.done()
+                reading.cancel()  # between requests: one being read was not started, nor answered
+                await asyncio.gather(reading, return_exceptions=ended)  # re-raises a failure
                 if tasks:
                     await asyncio.gather(*tasks)
+                return ended
             finally:
+                ending.cancel()
+                reading.cancel()
                 await answers.put(None)
 
-        reader = asyncio.create_task(read())
+        reader = asyncio.create_task(read_until_ending())
         try:
             while (response := await answers.get()) is not None:
                 yield response  # returns once gRPC has taken it (flow control)
                 slots.release()
-            await reader  # re-raises a failure of the reader
+            if await reader:  # re-raises a failure of the reader
+                raise NotReady(STREAM_ENDED)
         finally:
             reader.cancel()
             for task in list(tasks):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import queue
 import re
 import signal
 import socket
@@ -34,6 +35,7 @@ from minilm_embed.client.errors import InvalidInput
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.batcher import running_time
+from minilm_embed.server.front import SHUTDOWN_NOTICE_S
 from tests.reference import Reference
 from tests.server_process import (
     SERVICE_NAME,
@@ -302,6 +304,14 @@ def test_invalid_requests_get_invalid_argument_naming_the_limit(client, case):
     assert re.search(message, e.value.details()), e.value.details()
 
 
+def test_an_empty_tokenize_request_names_its_own_field(client):
+    """TokenizeRequest has no `token_ids`: the refusal told its caller to set one."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Tokenize(pb.TokenizeRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "no inputs: set `texts` with at least one text"
+
+
 def test_deadline_shorter_than_the_queue_wait_is_exceeded_and_the_server_keeps_serving(
     server, client, reference
 ):
@@ -430,6 +440,41 @@ def test_a_stream_outlives_the_connections_maximum_age():
     with serving("--max-connection-age-s", "1", "--drain-timeout-s", "1") as server:
         ids = asyncio.run(stream_for(server.address, 4.0))
     assert ids == [str(i) for i in range(len(ids))] and len(ids) >= 10
+
+
+KEEPALIVE_MS = 5000  # what the server allows (README); Go's and Java's clients ping at 10 s at the least
+# A client that keeps its connection alive as grpc-go's keepalive.ClientParameters{Time: 5 * time.Second,
+# PermitWithoutStream: true} does: pings whether or not a call is open, with or without data.
+PINGING = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def test_a_client_pinging_every_5_s_keeps_its_idle_connection_and_its_open_stream(server):
+    """gRPC's server default allows one ping per 5 minutes and none without a call: a client with
+    keepalive on got GOAWAY too_many_pings at its third ping, 15 s in, its idle connection dropped
+    and an open EmbedStream cut with UNAVAILABLE "Too many pings"."""
+    idle = grpc.insecure_channel(server.address, options=PINGING)
+    streaming = grpc.insecure_channel(server.address, options=PINGING)
+    try:
+        pb_grpc.EmbeddingServiceStub(idle).Embed(embed_request(["hello"]), timeout=30)
+        states: list[grpc.ChannelConnectivity] = []
+        idle.subscribe(states.append)
+        items: queue.Queue[pb.EmbedStreamRequest | None] = queue.Queue()
+        stream = pb_grpc.EmbeddingServiceStub(streaming).EmbedStream(iter(items.get, None), timeout=60)
+        items.put(pb.EmbedStreamRequest(id="before", request=embed_request(["hello"])))
+        assert next(stream).id == "before"
+        time.sleep(4 * KEEPALIVE_MS / 1000 - 2)  # three pings past the first on each connection
+        items.put(pb.EmbedStreamRequest(id="after", request=embed_request(["hello"])))
+        assert next(stream).id == "after"
+        items.put(None)
+        assert stream.code() == grpc.StatusCode.OK
+        assert grpc.ChannelConnectivity.IDLE not in states, states  # the connection was never dropped
+    finally:
+        idle.close()
+        streaming.close()
 
 
 def test_a_tokenize_answer_over_the_message_limit_is_refused_naming_it():
@@ -727,6 +772,37 @@ def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
 
+def test_an_open_stream_is_answered_then_ended_unavailable_at_the_drain_and_does_not_hold_it():
+    """A long-lived EmbedStream held each drain until its timeout, and every item sent on it meanwhile
+    was refused one by one (UNAVAILABLE "not serving"), the stream itself still open: a client had to
+    know to open another. Now the item in flight is answered, then the stream ends UNAVAILABLE."""
+    items: queue.Queue[pb.EmbedStreamRequest | None] = queue.Queue()
+    with (
+        serving("--drain-timeout-s", "20", entry=fault_entry(FAULT)) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        stream = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(iter(items.get, None), timeout=60)
+        items.put(pb.EmbedStreamRequest(id="open", request=embed_request(["hello"])))
+        assert next(stream).id == "open"
+        items.put(pb.EmbedStreamRequest(id="held", request=embed_request([HOLD_TEXT])))
+        time.sleep(0.5)  # in its batch, which takes HOLD_S
+        server.terminate()
+        started = time.monotonic()
+        held = next(stream)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream)
+        took = time.monotonic() - started
+        items.put(None)
+        code = server.wait(12)  # well inside the drain timeout: a held drain would take all 20 s
+    assert (held.id, held.WhichOneof("result")) == ("held", "response")
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the server is shutting down" in ended.value.details(), ended.value.details()
+    assert took < 10, took
+    assert code == 0
+    drained = [line for line in server.lines if "gRPC drained in" in line or "were cancelled" in line]
+    assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
+
+
 def _post_embeddings(port: int, body: dict, answers: list) -> None:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/embeddings",
@@ -798,26 +874,28 @@ def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycl
 
 
 def test_a_second_signal_while_draining_stops_at_once_cutting_the_calls_in_flight():
-    """Ctrl-C twice: the first drains, and a stream left open holds that drain to its 60 s timeout; the
-    second stops every process at once, exit 130 (128 + SIGINT, as a shell reports a death by it), with
-    one line saying so. A user-acceptance pass waited out the whole drain instead."""
+    """Ctrl-C twice: the first drains, and a call still sending its request holds that drain to its 60 s
+    timeout; the second stops every process at once, exit 130 (128 + SIGINT, as a shell reports a death
+    by it), with one line saying so. A user-acceptance pass waited out the whole drain instead."""
     release = threading.Event()
 
-    def items() -> Iterator[pb.EmbedStreamRequest]:
-        yield pb.EmbedStreamRequest(id="1", request=embed_request(["held open"]))
-        release.wait(60)  # the stream stays open: the drain waits for it
+    def request() -> Iterator[bytes]:  # an Embed call whose one message never comes (a slow upload)
+        release.wait(60)
+        yield from ()
 
     with serving("--drain-timeout-s", "60") as server, grpc.insecure_channel(server.address) as channel:
-        stream = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(items(), timeout=120)
-        assert next(stream).id == "1"
+        embed = channel.stream_unary(f"/{SERVICE_NAME}/Embed")
+        call = embed.future(request(), timeout=120)
         children = [*server.front_pids(), server.engine_pid]
         server.proc.send_signal(signal.SIGINT)
-        assert wait_for(lambda: any("front 0: draining" in line for line in server.lines), 30)
-        assert not stream.done()  # the drain is under way, held by the stream
+        held = "front 0: draining: 1 calls being served"  # the call has its place, waiting for its message
+        assert wait_for(lambda: any(held in line for line in server.lines), 30)
+        time.sleep(SHUTDOWN_NOTICE_S + 0.5)  # past the notice: the drain itself waits for the call
+        assert not call.done()
         server.proc.send_signal(signal.SIGINT)
         code = server.wait(15)  # a quarter of the drain timeout
         with pytest.raises(grpc.RpcError) as cut:
-            next(stream)
+            call.result()
         release.set()
     assert code == 130
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
