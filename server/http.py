@@ -18,7 +18,9 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import logging
+import reprlib
 import socket
 import ssl
 import time
@@ -84,6 +86,11 @@ INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
 SHAPES = "send a list of strings, a list of token ids (integers), or a list of lists of token ids"
 _INT64 = 1 << 63
+# How much of a bad value an error message shows: a 900 kB one came back whole (an answer as large as
+# the request, and a line that large wherever the caller logs its errors). reprlib cuts while it writes.
+SHOWN_CHARS = 64
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxlevel = SHOWN_CHARS, 32, 4, 4, 2
 KINDS = {
     dict: "an object", list: "a list", str: "a string", type(None): "null",
     bool: "a boolean", int: "an integer", float: "a number",
@@ -120,6 +127,16 @@ class ModelCard:
 class EmbeddingsRequest:
     job: EmbedJob
     base64: bool
+
+
+def shown(value: object) -> str:
+    """A caller's value as an error message shows it: its repr, long strings and lists cut ("...")."""
+    return _SHOWN.repr(value)
+
+
+def cut(text: str) -> str:
+    """A caller's text as an error message shows it: at most SHOWN_CHARS characters, then "..."."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def json_response(body: object, status: int = 200) -> Response:
@@ -298,7 +315,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 def _model_not_found(asked: str, served: str) -> Response:
     """OpenAI's answer for a model it does not have (a 404 the caller asked for, counted as OK)."""
-    message = f"The model `{asked}` does not exist; this server serves `{served}`"
+    message = f"The model `{cut(asked)}` does not exist; this server serves `{served}`"
     error = {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
     return json_response({"error": error}, 404)
 
@@ -338,7 +355,7 @@ def check_encoding(encoding: str) -> None:
     """Bodies are read as sent: a compressed one would only fail as "not JSON", which hides why."""
     if encoding.strip().lower() != "identity":
         raise InvalidInput(
-            f"the request body has Content-Encoding: {encoding}, which this server does not decode; "
+            f"the request body has Content-Encoding: {cut(encoding)}, which this server does not decode; "
             "send it uncompressed"
         )
 
@@ -417,7 +434,7 @@ def _token_ids(row: list[Any], i: int) -> list[int]:
     for j, t in enumerate(row):
         if type(t) is not int:
             raise InvalidField(
-                "input", f"input {i}: token id at position {j} is {_kind(t)} {t!r}, not an integer"
+                "input", f"input {i}: token id at position {j} is {_kind(t)} {shown(t)}, not an integer"
             )
         if not -_INT64 <= t < _INT64:
             raise InvalidField("input", f"input {i}: token id {t} at position {j} is outside the vocabulary")
@@ -428,10 +445,12 @@ def check_dimensions(value: object, card: ModelCard) -> None:
     if value is None or (type(value) is int and value == card.dimensions):
         return
     if type(value) is not int:  # 384.0 or "384": not "is 384.0, but ... send 384"
-        raise InvalidField("dimensions", f"`dimensions` must be an integer, not {_kind(value)} {value!r}")
+        raise InvalidField(
+            "dimensions", f"`dimensions` must be an integer, not {_kind(value)} {shown(value)}"
+        )
     raise InvalidField(
         "dimensions",
-        f"`dimensions` is {value!r}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
+        f"`dimensions` is {shown(value)}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
         f"send {card.dimensions} or leave it out",
     )
 
@@ -443,14 +462,14 @@ def parse_truncate(value: object) -> bool:
         return True
     if isinstance(value, bool):
         return value
-    raise InvalidField("truncate", f"`truncate` must be a boolean, not {_kind(value)} {value!r}")
+    raise InvalidField("truncate", f"`truncate` must be a boolean, not {_kind(value)} {shown(value)}")
 
 
 def parse_format(value: object) -> bool:
     """Whether the vectors go back base64-encoded (little-endian float32), not as lists of floats."""
     if value is None or value in FORMATS:
         return value == "base64"
-    raise InvalidField("encoding_format", f"`encoding_format` is {value!r}; it must be float or base64")
+    raise InvalidField("encoding_format", f"`encoding_format` is {shown(value)}; it must be float or base64")
 
 
 def _kind(value: object) -> str:
@@ -496,11 +515,28 @@ def _b64(vector: np.ndarray) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server without its signal handlers: the front owns SIGTERM and drains both APIs."""
+    """uvicorn's server without its signal handlers (the front owns SIGTERM and drains both APIs), and
+    with a TLS handshake given the header timeout, not asyncio's 60 s: the header timeout and the
+    connection cap start once the handshake is done, so silent connections to the TLS port held a
+    front's file descriptors six times as long as http_header_timeout_s says. uvicorn passes no
+    handshake timeout to `loop.create_server`, so it is added there while uvicorn starts."""
+
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float) -> None:
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = {"ssl_handshake_timeout": self.handshake_timeout_s} if self.config.ssl else {}
+        loop.create_server = functools.partial(loop.create_server, **timeout)  # type: ignore[method-assign]
+        try:
+            await super().startup(sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
 
 
 @dataclass
@@ -532,15 +568,20 @@ class BoundedH11(H11Protocol):
     for a request's headers to arrive, the first or the next after an answer (then 408 and closed;
     closed without an answer if not a byte came).
     Without them 20,000 connections that never sent a byte held a front's file descriptors for good,
-    and its gRPC listener could accept nothing more. A body's own time is http_body_timeout_s."""
+    and its gRPC listener could accept nothing more. A body's own time is http_body_timeout_s, each
+    way: a connection whose answers the client has left unread, its socket full, for `send_timeout_s`
+    is cut (uvicorn waits for a socket to drain without limit: a client pipelining requests and never
+    reading held its connection, an answer task and an answer's body for good)."""
 
     max_connections = 1024
     header_timeout_s = 10.0
+    send_timeout_s = 30.0
     metrics: Metrics | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._waiting_after: object = None  # the cycle answered last when the timer was set
         if len(self.connections) > self.max_connections:
             if self.metrics is not None:
@@ -577,8 +618,30 @@ class BoundedH11(H11Protocol):
         if not self.transport.is_closing() and self._header_timer is None and self.cycle.response_complete:
             self._wait_for_headers()  # the next request's, however its bytes come (keep-alive aside)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._not_reading)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _not_reading(self) -> None:
+        """Cut a connection whose answers have not been read for send_timeout_s (the socket still
+        full): closing it would wait for the unread bytes to go out, for ever."""
+        self._send_timer = None
+        log.debug("an HTTP client left its answers unread for %g s: connection cut", self.send_timeout_s)
+        self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        self._stop_send_timer()
         super().connection_lost(exc)
 
     def _headers_late(self) -> None:
@@ -613,6 +676,7 @@ def bounded_h11(config: ServerConfig, metrics: Metrics | None) -> type[BoundedH1
     limits = {
         "max_connections": config.http_max_connections,
         "header_timeout_s": config.http_header_timeout_s,
+        "send_timeout_s": config.http_body_timeout_s,
         "metrics": metrics,
     }
     return type("BoundedH11", (BoundedH11,), limits)
@@ -629,7 +693,7 @@ def http_listener(api: HttpApi, sock: socket.socket, config: ServerConfig) -> Ht
         timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
         **_tls(config),
     )
-    return HttpListener(_Server(settings), sock)
+    return HttpListener(_Server(settings, config.http_header_timeout_s), sock)
 
 
 def _tls(config: ServerConfig) -> dict[str, Any]:

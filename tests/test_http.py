@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import openai
+import orjson
 import pytest
 from langchain_openai import OpenAIEmbeddings
 
@@ -315,6 +316,60 @@ def test_a_stalled_upload_holds_its_declared_bytes_and_is_ended_with_408():
         assert "http_body_timeout_s=1.5" in answer and "sent 1011 bytes" in answer, answer
         after = httpx.post(process.http_url + "/v1/embeddings", json={"input": "y" * 100_000})
         assert after.status_code == 200, after.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "a", "dimensions": "D" * 900_000},
+        {"input": "a", "truncate": ["T"] * 150_000},
+        {"input": "a", "encoding_format": "E" * 900_000},
+        {"input": [[101, "I" * 900_000]]},
+    ],
+    ids=["dimensions", "truncate", "encoding_format", "token_id"],
+)
+def test_an_error_shows_a_bad_value_cut_short_not_echoed_whole(server, body):
+    """A 900 kB bad value came back whole in the error's message (a message-sized answer to any
+    request, and a message-sized line wherever a caller logs its errors)."""
+    response = httpx.post(
+        server.http_url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert response.status_code == 400, response.text[:300]
+    message = response.json()["error"]["message"]
+    assert len(message) < 300, message[:300]
+    assert "..." in message  # says it was cut
+
+
+def test_a_model_not_served_is_named_cut_short(server):
+    response = httpx.get(
+        server.http_url + "/v1/models/" + "m" * 30_000, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert response.status_code == 404
+    assert len(response.content) < 1000, response.content[:300]
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_off_after_the_body_timeout():
+    """A client that pipelines requests and never reads held its connection (one of
+    --http-max-connections), an answer task and a response body in the front for good, since uvicorn
+    waits without limit for a socket to drain. It is now cut off once its socket has stayed full
+    for --http-body-timeout-s."""
+    with serving(*flags({"http_body_timeout_s": 2, "max_inputs_per_request": 64})) as process:
+        host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
+        body = orjson.dumps({"input": ["a sentence of a few words"] * 64})  # ~300 kB answers
+        head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        sent = 30  # ~9 MB of answers: more than the kernel's socket buffers hold
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect((host, int(port)))
+            reader.sendall((head.encode() + body) * sent)
+            time.sleep(10)  # answers computed, the socket full, and the timeout passed
+            reader.settimeout(15)
+            received = bytearray()
+            with contextlib.suppress(ConnectionResetError, TimeoutError):
+                while chunk := reader.recv(1 << 20):
+                    received += chunk
+        assert received.count(b"HTTP/1.1 200") < sent
+        assert httpx.get(process.http_url + "/health").status_code == 200
 
 
 def test_a_wrong_or_missing_token_gets_401_and_health_stays_open(server):
