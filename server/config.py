@@ -143,6 +143,10 @@ class ServerConfig:
     # the server exits 1 and is restarted, instead of staying ready while every call times out.
     batch_timeout_s: float = 120.0
     max_connection_age_s: float = 300.0
+    # The server pings each gRPC connection after this long without a frame from its client, and
+    # closes it when no answer comes within as long (at most 20 s): a client gone without a FIN (its node
+    # lost, a NAT's entry expired) otherwise held an open EmbedStream's call place for good.
+    keepalive_s: float = 60.0
     metrics_address: str = "0.0.0.0:9464"
     log_level: str = "INFO"
     log_format: str = "text"
@@ -196,6 +200,8 @@ class ServerConfig:
         for name in ("http_body_timeout_s", "http_header_timeout_s", "max_connection_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{setting(name)} must be more than 0, not {getattr(self, name)}")
+        if self.keepalive_s < 1:  # a ping every few milliseconds on every connection is no setting
+            raise ValueError(f"{setting('keepalive_s')} must be at least 1, not {self.keepalive_s}")
         for name in ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{setting(name)} must be 0 or more, not {getattr(self, name)}")
@@ -269,7 +275,7 @@ _HELP = {
     ),
     "http_body_timeout_s": (
         "seconds an HTTP request body may take to arrive (its size is held against the front's "
-        "budgets meanwhile); then 408"
+        "budgets meanwhile); then 408. Also how long an answer may sit unread: then the connection is cut"
     ),
     "http_header_timeout_s": (
         "seconds an HTTP connection may take to send a request's headers (its first, or its next "
@@ -334,6 +340,10 @@ _HELP = {
     "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
     "exits 1 (0: never)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
+    "keepalive_s": (
+        "a gRPC connection silent this long is pinged, and closed when its client does not answer "
+        "within as long, at most 20 s (a peer gone without closing)"
+    ),
     "metrics_address": "host:port or [IPv6]:port of the Prometheus /metrics endpoint (empty: off)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "text or json (one JSON object per line); lines about a request carry its id",

@@ -87,6 +87,9 @@ OTHER_CALLS = 64
 # Half the 10 s floor of grpc-go's and grpc-java's client keepalive: a ping a little early (timer
 # jitter) is not a strike, and strikes add up over an idle connection's life.
 MIN_CLIENT_PING_MS = 5000
+# How long a pinged client may take to answer (gRPC's default), before its connection is closed; at
+# most --keepalive-s itself.
+KEEPALIVE_TIMEOUT_MS = 20_000
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -105,6 +108,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         # connection dropped and an open EmbedStream cut with UNAVAILABLE "Too many pings".
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
+        *keepalive_options(config.keepalive_s),
         # Every front binds the same port; the supervisor holds it reserved (see app.py).
         ("grpc.so_reuseport", 1),
         # No HTTP/2 BDP probing: with it gRPC widens every stream's receive window, and reads the
@@ -112,6 +116,21 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         # callers of 2 MiB took a bare server to 1.9 GB under a 64-call cap, 267 MB without it.
         # A call being read opens its window to the whole message anyway.
         ("grpc.http2.bdp_probe", 0),
+    ]
+
+
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """The server's own pings (gRPC's default: every 2 hours): a peer gone without a FIN holds its open
+    calls' places, an EmbedStream's or a health Watch's, until one goes unanswered."""
+    every_ms = int(keepalive_s * 1000)
+    timeout_ms = min(KEEPALIVE_TIMEOUT_MS, every_ms)
+    return [
+        ("grpc.keepalive_time_ms", every_ms),
+        # gRPC 1.85 waits for a keepalive ping's answer as for any ping, ping_timeout_ms (60 s), not
+        # keepalive_timeout_ms alone (seen in its http_keepalive trace): both are set.
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),  # else 2 pings, then none until a data frame
     ]
 
 

@@ -15,6 +15,8 @@ import queue
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -475,6 +477,40 @@ def test_a_client_pinging_every_5_s_keeps_its_idle_connection_and_its_open_strea
     finally:
         idle.close()
         streaming.close()
+
+
+STREAM_THEN_HANG = """
+import queue, sys, grpc
+from minilm_embed.client.client import embed_request
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb, embedding_pb2_grpc as pb_grpc
+items = queue.Queue()
+channel = grpc.insecure_channel(sys.argv[1])
+stream = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(iter(items.get, None))
+items.put(pb.EmbedStreamRequest(id="one", request=embed_request(["hello"])))
+print(next(stream).id, flush=True)
+items.get()  # the stream stays open, waiting for a next item that never comes
+"""
+
+
+def test_a_client_gone_silent_has_its_open_stream_ended_by_the_servers_pings():
+    """A client whose node is lost sends no FIN: its open EmbedStream held a call place until gRPC's
+    default server ping, after 2 hours. A stopped process answers no ping, as a lost one would."""
+    with serving("--keepalive-s", "1") as server:
+        client = subprocess.Popen(
+            [sys.executable, "-c", STREAM_THEN_HANG, server.address],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert client.stdout is not None and client.stdout.readline().strip() == "one"
+            assert metric(server, "embed_requests_in_flight") == 1
+            client.send_signal(signal.SIGSTOP)
+            assert wait_for(lambda: metric(server, "embed_requests_in_flight") == 0, timeout=20)
+            assert metric(server, "embed_requests_total", method="EmbedStream", code="CANCELLED") == 1
+        finally:
+            client.kill()
+            client.wait(10)
 
 
 def test_a_tokenize_answer_over_the_message_limit_is_refused_naming_it():
