@@ -1,17 +1,23 @@
 """python -m minilm_embed.export: packaged (or given) weights -> a verified ONNX model repository.
 
 Writes into a temporary directory beside --out and moves it into place only when the parity gate
-passes, so a failed export never leaves a half-written repository behind.
+passes, so a failed or interrupted export never leaves a half-written repository behind; one killed
+outright (SIGKILL) leaves its staging directory, which the next export to the same --out removes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import re
 import shutil
+import socket
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,7 @@ from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
 from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
-from minilm_embed.model.directories import OutputError, check_out
+from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
 from minilm_embed.model.repository import (
     CUDA_PROVIDER,
     FP32_FILE,
@@ -48,6 +54,9 @@ from minilm_embed.model.weights import (
 )
 
 CALIBRATION_SENTENCES = 800
+# Written first into each staging directory (which export and which host), removed just before the
+# directory becomes --out: what tells a killed export's leftovers from a directory someone else made.
+STAGING_MARKER = ".export-staging"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -119,6 +128,8 @@ def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
+    for line in ckpt.defaults:
+        print(f"export: note: {line}", file=sys.stderr)
     tokenizer = read_tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
@@ -171,28 +182,104 @@ def build_fp16(
 
 
 def replace_dir(staging: Path, out: Path) -> None:
+    """Swap `staging` in as `out`; a Ctrl-C meanwhile is raised once the swap is done."""
     old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    with interrupts_deferred():
+        (staging / STAGING_MARKER).unlink()
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staging_beside(out: Path) -> Iterator[Path]:
+    """A new staging directory beside `out`, carrying STAGING_MARKER, removed on the way out unless it
+    was renamed to `out`; first, the ones killed exports to `out` left are removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
+        owner = {"host": socket.gethostname(), "pid": os.getpid()}
+        (staging / STAGING_MARKER).write_text(json.dumps(owner) + "\n", encoding="utf-8")
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def clear_stale_staging(out: Path) -> None:
+    """Remove each directory named as staging_beside names them whose marker names a process of this
+    host that is gone; one without the marker may be someone's own: it is named, never removed."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")  # tempfile.mkdtemp's 8 characters
+    for path in sorted(out.parent.iterdir()):
+        if not pattern.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+            continue
+        pid = staging_owner(path)
+        if pid is None:
+            print(
+                f"export: note: {path} is not removed: named like an export's staging directory, but "
+                f"without the {STAGING_MARKER} of one killed on this host; remove it if it is not in use",
+                file=sys.stderr,
+            )
+        elif not running(pid) and remove(path):
+            print(
+                f"export: removed {path}, the staging directory of an export that was killed (pid {pid})",
+                file=sys.stderr,
+            )
+
+
+def remove(path: Path) -> bool:
+    """Whether `path` is gone after removing it."""
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
+
+
+def staging_owner(staging: Path) -> int | None:
+    """The pid of the export on this host that wrote `staging`'s marker, or None."""
+    try:
+        owner = json.loads((staging / STAGING_MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
+        return None
+    pid = owner.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return True
+
+
+def export(args: argparse.Namespace) -> None:
+    """The export the arguments ask for, swapped in as --out once it has passed its gates."""
+    check_out(args.out, MANIFEST_FILE, "a model repository")
+    weights = args.weights or default_weights_dir()
+    expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
+    with staging_beside(args.out) as staging:
+        build(weights, expected, staging, args.data_dir, not args.no_int8)
+        # Ctrl-C pressed while the new repository was swapped in: it is written, the export is done.
+        with suppress(KeyboardInterrupt):
+            replace_dir(staging, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        check_out(args.out, MANIFEST_FILE, "a model repository")
-        weights = args.weights or default_weights_dir()
-        expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
-        staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
-        try:
-            build(weights, expected, staging, args.data_dir, not args.no_int8)
-            replace_dir(staging, args.out)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        export(args)
+    except KeyboardInterrupt:
+        print(
+            f"export: interrupted: {args.out} is unchanged (the staging directory is removed)",
+            file=sys.stderr,
+        )
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except (WeightsError, ParityError, DataError, OutputError, OSError) as e:
         print(f"export: error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from minilm_embed.model.encoder import Encoder
 from minilm_embed.model.evaluate import BATCH, Embedder, batched, length_sorted, spearman_x100, torch_embedder
 from minilm_embed.model.repository import EMBEDDINGS, INPUT_IDS, LENGTHS, POOLED
 from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.model.weights import saves_pooler
 
 MIN_COSINE = 0.99999
 MAX_ABS_DIFF = 1e-5
@@ -169,7 +170,12 @@ def reference_embed(weights_dir: Path, texts: list[str], max_length: int) -> np.
     """sentence-transformers on the same weights: the implementation the encoder must match."""
     from sentence_transformers import SentenceTransformer
 
-    reference = SentenceTransformer(str(weights_dir), device="cpu", local_files_only=True)
+    # Without its weights in the checkpoint (training saves none: mean pooling never reads it), the
+    # reference is built without BERT's pooler, or transformers reports them missing on every export.
+    model_kwargs = None if saves_pooler(weights_dir) else {"add_pooling_layer": False}
+    reference = SentenceTransformer(
+        str(weights_dir), device="cpu", local_files_only=True, model_kwargs=model_kwargs
+    )
     reference.max_seq_length = max_length
     return np.asarray(reference.encode(texts, batch_size=BATCH, convert_to_numpy=True))
 

@@ -3,6 +3,10 @@ checkpoint. Each command owns the directories that hold its marker file, and ref
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -22,3 +26,20 @@ def check_out(out: Path, marker: str, kind: str) -> None:
             f"--out {out} holds files but no {marker}: not {kind}, so it is not "
             "replaced; name a new directory, or remove it first"
         )
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C inside takes effect when the block is done: a directory swapped in by renames is never
+    left half swapped. (Only the main thread can set signal handlers; elsewhere nothing is deferred.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt

@@ -27,7 +27,7 @@ from torch import nn
 from minilm_embed.model.checkpoints import STATE_FILE, batch_order, restore, resumable, save
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import DataError
-from minilm_embed.model.directories import OutputError, check_out
+from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
 from minilm_embed.model.encoder import Encoder
 from minilm_embed.model.evaluate import DevSet
 from minilm_embed.model.loop import Plan, Run, evaluate, fit, loss_window, make_run, mean, seed_everything
@@ -35,6 +35,7 @@ from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
 from minilm_embed.model.weights import WeightsError, default_weights_dir, load_checkpoint, read_tokenizer
 
 DEFAULT_LR = {"default": 2e-5, "scratch": 1e-3}
+FINETUNED = "-finetuned"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,7 +150,9 @@ def build_model(args: argparse.Namespace) -> tuple[Encoder, Path, str]:
     weights = args.weights or default_weights_dir()
     if args.init == "default":
         model, ckpt = load_checkpoint(weights)
-        return model, weights / "tokenizer.json", f"{ckpt.model_id}-finetuned"
+        for line in ckpt.defaults:  # the fine-tuned checkpoint writes them: its export will not say so
+            print(f"train: note: {line}", file=sys.stderr)
+        return model, weights / "tokenizer.json", ckpt.model_id.removesuffix(FINETUNED) + FINETUNED
     vocab = read_tokenizer(weights / "tokenizer.json", args.max_seq_length).vocab_size
     model = Encoder(scratch_config(args, vocab))
     model.apply(init_weights)
@@ -223,10 +226,42 @@ def prepare(
     return run, data, steps, dev, lambda: save(run, tokenizer_file, args.out, model_id, order)
 
 
-def train(args: argparse.Namespace) -> Summary:
+@dataclass
+class Progress:
+    """How far a run got, for the line a Ctrl-C prints: the run, and the step of its last checkpoint."""
+
+    run: Run | None = None
+    saved_step: int | None = None
+
+    def saving(self, save_to: Callable[[], None]) -> Callable[[], None]:
+        """`save_to`, run whole even if Ctrl-C is pressed meanwhile, and recorded."""
+
+        def save_whole() -> None:
+            assert self.run is not None
+            with interrupts_deferred():
+                save_to()
+                self.saved_step = self.run.step
+
+        return save_whole
+
+    def interrupted(self, out: Path) -> str:
+        """The line a Ctrl-C prints: where the run stopped, and where its last checkpoint is."""
+        at = "" if self.run is None else f" at step {self.run.step}"
+        if self.saved_step is None:
+            return f"train: interrupted{at}, before it saved a checkpoint: {out} is unchanged"
+        return (
+            f"train: interrupted{at}; the last checkpoint, step {self.saved_step}, is in {out} "
+            f"(continue it with --resume {out} and the same flags)"
+        )
+
+
+def train(args: argparse.Namespace, progress: Progress | None = None) -> Summary:
     """Train as the arguments say, evaluating before and after; the checkpoint is saved at the end."""
     check_out(args.out, STATE_FILE, "a checkpoint written by model.train")  # before hours of training
+    progress = progress or Progress()
     run, data, steps, dev, save_to = prepare(args)
+    progress.run = run
+    save_to = progress.saving(save_to)
     first = run.step
     before = evaluate(run, dev)
     started = time.perf_counter()
@@ -239,11 +274,16 @@ def train(args: argparse.Namespace) -> Summary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: exit status 0, or 2 with one line naming the bad file or argument."""
+    """The command line: exit status 0, or 2 with one line naming the bad file or argument, or 130
+    after Ctrl-C with one line naming the last checkpoint."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    progress = Progress()
     try:
-        summary = train(args)
+        summary = train(args, progress)
+    except KeyboardInterrupt:
+        print(progress.interrupted(args.out), file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
     except (DataError, WeightsError, OutputError, OSError) as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from minilm_embed.model.checksum import sha256_file
@@ -32,6 +32,14 @@ REQUIRED_FILES = ("config.json", WEIGHTS_FILE, "tokenizer.json")
 # next-sentence head (sentence-transformers pools token states itself), and position_ids is a
 # buffer of arange(512) that the encoder rebuilds.
 UNUSED_KEYS = frozenset({"pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"})
+
+# What sentence-transformers assumes for each of its files that a checkpoint lacks (read_config
+# assumes the same), in the manifest's terms.
+ST_DEFAULTS = {
+    "modules.json": "normalize false (no Normalize module)",
+    "1_Pooling/config.json": "pooling mean",
+    "sentence_bert_config.json": "max_input_tokens {max_positions} (config.json's max_position_embeddings)",
+}
 
 _LAYER_KEYS = {
     "attention.query": "attention.self.query",
@@ -57,6 +65,7 @@ class Checkpoint:
     model_id: str
     sha256: str
     config: EncoderConfig
+    defaults: tuple[str, ...] = ()  # one line per sentence-transformers file missing (defaults_taken)
 
 
 def default_weights_dir() -> Path:
@@ -159,6 +168,24 @@ def _max_seq_length(directory: Path, max_positions: int) -> int:
     return value
 
 
+def defaults_taken(directory: Path, config: EncoderConfig) -> tuple[str, ...]:
+    """One line for each sentence-transformers file the checkpoint lacks, naming the default taken in
+    its place: a checkpoint without them exports, and its user knows what it ships."""
+    return tuple(
+        f"{directory / name} is missing: took sentence-transformers' default, "
+        + default.format(max_positions=config.max_position_embeddings)
+        for name, default in ST_DEFAULTS.items()
+        if not (directory / name).is_file()
+    )
+
+
+def saves_pooler(directory: Path) -> bool:
+    """Whether the checkpoint holds BERT's pooler (unused here; save_checkpoint writes none)."""
+    with safe_open(str(directory / WEIGHTS_FILE), "pt") as tensors:
+        names: list[str] = tensors.keys()  # a safe_open handle is not iterable
+    return any(name.removeprefix("bert.") == "pooler.dense.weight" for name in names)
+
+
 def read_config(directory: Path) -> EncoderConfig:
     """EncoderConfig from config.json plus the sentence-transformers files beside it."""
     path = directory / "config.json"
@@ -243,7 +270,7 @@ def load_checkpoint(directory: Path, expected_sha256: str | None = None) -> tupl
     model_id = str(meta.get("_name_or_path") or directory.name)
     if digest == DEFAULT_SHA256:
         model_id = DEFAULT_MODEL_ID
-    return model, Checkpoint(directory, model_id, digest, config)
+    return model, Checkpoint(directory, model_id, digest, config, defaults_taken(directory, config))
 
 
 def save_checkpoint(model: Encoder, tokenizer_file: Path, out: Path, model_id: str = "trained-here") -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -583,3 +585,106 @@ def test_a_checkpoint_that_does_not_normalise_exports(tmp_path):
     result = run_export("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["normalize"] is False
+
+
+def tiny_checkpoint(directory: Path, model_id: str = "tiny") -> Path:
+    """A one-layer encoder saved as training saves it (no pooler weights), in seconds to export."""
+    torch.manual_seed(0)
+    config = EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_seq_length=64)
+    save_checkpoint(Encoder(config).eval(), default_weights_dir() / "tokenizer.json", directory, model_id)
+    return directory
+
+
+def export_process(ckpt: Path, out: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
+    args = ["--weights", str(ckpt), "--out", str(out), "--no-int8"]
+    command = [sys.executable, "-m", "minilm_embed.export", *args]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def staging_dirs(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+def wait_for_staging(process: subprocess.Popen[str], out: Path) -> Path:
+    """The export's staging directory, once it is being written (the checkpoint being loaded)."""
+    deadline = time.monotonic() + 60
+    while not staging_dirs(out):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no staging directory appeared"
+        time.sleep(0.01)
+    time.sleep(0.3)  # well inside the build, not between creating the directory and guarding it
+    return staging_dirs(out)[0]
+
+
+def test_ctrl_c_removes_the_staging_directory_and_says_out_is_unchanged(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("the previous repository")
+    process = export_process(tiny_checkpoint(tmp_path / "ckpt"), out)
+    wait_for_staging(process, out)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr + stdout
+    assert (
+        stderr.splitlines()[-1]
+        == f"export: interrupted: {out} is unchanged (the staging directory is removed)"
+    )
+    assert staging_dirs(out) == []
+    assert (out / "manifest.json").read_text() == "the previous repository"
+
+
+def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other(tmp_path):
+    out = tmp_path / "out"
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    process = export_process(ckpt, out)
+    left = wait_for_staging(process, out)
+    process.kill()
+    process.communicate(timeout=60)
+    assert left.is_dir()
+    # A directory of the same shape of name that the export did not write is named, never removed.
+    mine = tmp_path / ".out.mynotes1"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    process = export_process(ckpt, out)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert not left.exists()
+    assert f"export: removed {left}, the staging directory of an export that was killed" in stderr
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert f"export: note: {mine} is not removed" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.mynotes1", "ckpt", "out"]
+    assert {p.name for p in out.iterdir()} == REPOSITORY_FILES
+
+
+def test_exporting_a_trained_checkpoint_prints_no_load_report_for_the_unused_pooler(tmp_path):
+    """Training saves no pooler (mean pooling never uses it): the reference model is built without
+    one, so transformers has no missing weights to report; nothing else is left to the defaults."""
+    process = export_process(tiny_checkpoint(tmp_path / "ckpt"), tmp_path / "out")
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert "LOAD REPORT" not in stderr and "pooler" not in stderr, stderr
+    assert "export: note:" not in stderr
+
+
+def test_a_checkpoint_without_its_sentence_transformers_files_exports_saying_which_defaults_it_took(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+        (ckpt / name).unlink()
+    process = export_process(ckpt, tmp_path / "out")
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    notes = [line for line in stderr.splitlines() if line.startswith("export: note:")]
+    assert notes == [
+        f"export: note: {ckpt / 'modules.json'} is missing: took sentence-transformers' default, "
+        "normalize false (no Normalize module)",
+        f"export: note: {ckpt / '1_Pooling' / 'config.json'} is missing: took sentence-transformers' "
+        "default, pooling mean",
+        f"export: note: {ckpt / 'sentence_bert_config.json'} is missing: took sentence-transformers' "
+        "default, max_input_tokens 512 (config.json's max_position_embeddings)",
+    ]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["normalize"], manifest["pooling"], manifest["max_input_tokens"]) == (False, "mean", 512)

@@ -4,8 +4,11 @@ resumes exactly where it stopped, and bad training data is refused with one line
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,7 +75,9 @@ def test_tiny_model_learns_and_its_checkpoint_exports_with_parity(tmp_path: Path
     assert (tmp_path / "onnx" / "model.onnx").is_file()
 
 
-def test_an_interrupted_run_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_run_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     scored = write_scored(tmp_path / "sts.csv")
     args = [*TINY, "--position", "sinusoidal", "--sts-train", str(scored), "--batch-size", "4"]
     args += ["--max-steps", "6", "--eval-every", "3"]
@@ -86,8 +91,12 @@ def test_an_interrupted_run_resumes_exactly(tmp_path: Path, monkeypatch: pytest.
         return real_step(run, batch)
 
     monkeypatch.setattr(loop, "train_step", killed_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        train.main([*args, "--out", str(tmp_path / "cut")])  # leaves the step-3 checkpoint
+    assert train.main([*args, "--out", str(tmp_path / "cut")]) == 130  # leaves the step-3 checkpoint
+    cut = tmp_path / "cut"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"train: interrupted at step 4; the last checkpoint, step 3, is in {cut} "
+        f"(continue it with --resume {cut} and the same flags)"
+    )
     monkeypatch.setattr(loop, "train_step", real_step)
     resumed = [*args, "--resume", str(tmp_path / "cut"), "--out", str(tmp_path / "resumed")]
     assert train.main(resumed) == 0
@@ -161,8 +170,7 @@ def test_a_run_killed_while_saving_keeps_the_last_whole_checkpoint(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", killed)
-    with pytest.raises(KeyboardInterrupt):
-        train.main([*args, "--resume", str(out), "--out", str(out)])
+    assert train.main([*args, "--resume", str(out), "--out", str(out)]) == 130
     monkeypatch.setattr(torch, "save", real_save)
 
     kept = load_file(str(out / "model.safetensors"))
@@ -267,3 +275,47 @@ def test_pairs_written_with_a_byte_order_mark_train(tmp_path: Path) -> None:
     marked = tmp_path / "bom.jsonl"
     marked.write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode("utf-8"))
     assert pairs.read_pairs(marked) == pairs.read_pairs(tmp_path / "pairs.jsonl")
+
+
+def test_ctrl_c_stops_with_one_line_naming_the_last_checkpoint(tmp_path: Path) -> None:
+    scored = write_scored(tmp_path / "sts.csv")
+    out = tmp_path / "ckpt"
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--max-steps", "100000"]
+    command = [sys.executable, "-m", "minilm_embed.model.train", *args, "--eval-every", "2", "--threads", "1"]
+    process = subprocess.Popen(
+        [*command, "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / checkpoints.STATE_FILE).is_file():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr + stdout
+    pattern = (
+        r"train: interrupted at step (\d+); the last checkpoint, step (\d+), is in (.+) "
+        r"\(continue it with --resume \3 and the same flags\)"
+    )
+    stopped = re.fullmatch(pattern, stderr.splitlines()[-1])
+    assert stopped, stderr.splitlines()[-1]
+    assert stopped.group(3) == str(out)
+    saved = int(stopped.group(2))
+    assert 2 <= saved <= int(stopped.group(1))
+    assert torch.load(out / checkpoints.STATE_FILE, weights_only=True)["step"] == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "sts.csv"]
+
+
+def test_fine_tuning_a_fine_tuned_checkpoint_keeps_one_finetuned_suffix(tmp_path: Path) -> None:
+    pairs_file = str(write_pairs(tmp_path / "pairs.jsonl"))
+    common = ["--pairs", pairs_file, "--max-steps", "1", "--threads", "1"]
+    assert train.main([*TINY, *common, "--out", str(tmp_path / "0")]) == 0
+    for generation in ("1", "2"):
+        previous = tmp_path / str(int(generation) - 1)
+        assert train.main(["--weights", str(previous), *common, "--out", str(tmp_path / generation)]) == 0
+        config = json.loads((tmp_path / generation / "config.json").read_text())
+        assert config["_name_or_path"] == "scratch-learned-2x32-finetuned"
