@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -256,6 +258,8 @@ def plural(n: int, noun: str) -> str:
 
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
+    stopped_by = [signal.SIGINT]
+    signal.signal(signal.SIGTERM, functools.partial(_stop, stopped_by))
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
     except KeyboardInterrupt:
@@ -265,11 +269,18 @@ def cmd_embed_file(args: argparse.Namespace) -> int:
                 f"from there ({job.out} is written when every row is)",
                 file=sys.stderr,
             )
-        return 130
+        return 128 + stopped_by[-1]  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
     resumed = f", {stats.resumed} of them from before" if stats.resumed else ""
     retried = plural(stats.retried, "refusal")
     print(f"wrote {plural(stats.rows, 'row')} to {job.out}{resumed}; {retried} retried", file=sys.stderr)
     return 0
+
+
+def _stop(stopped_by: list[int], signum: int, frame: object) -> None:
+    """SIGTERM (a batch system's or Kubernetes' stop) ends a job as Ctrl-C does: whole rows kept, and
+    a line saying where they are; it killed the job without one before."""
+    stopped_by.append(signum)
+    raise KeyboardInterrupt
 
 
 def cmd_info(args: argparse.Namespace) -> int:

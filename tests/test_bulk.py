@@ -683,7 +683,8 @@ def test_an_unfinished_output_is_neither_overwritten_nor_guessed_at(
     assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
 
 
-def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp_path, signum, code):
     lines = corpus(1200)
     path, out = tmp_path / "in.txt", tmp_path / "v.npy"
     path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
@@ -691,9 +692,9 @@ def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp
     deadline = time.monotonic() + 60
     while rows_on_disk(partial_of(out)) < 50 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    job.send_signal(signal.SIGINT)  # Ctrl-C
+    job.send_signal(signum)  # Ctrl-C, or a batch system's stop
     _, stderr = job.communicate(timeout=30)
-    assert job.returncode == 130, stderr
+    assert job.returncode == code, stderr
     assert not out.exists()
     assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
     assert "Traceback" not in stderr
