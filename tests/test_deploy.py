@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -30,9 +31,10 @@ from packaging.utils import canonicalize_name
 
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
 from minilm_embed.server import backend
-from minilm_embed.server.app import plan_fronts
+from minilm_embed.server.app import check_cores, plan_fronts
 from minilm_embed.server.backend import cgroup_cpus, usable_cores
 from minilm_embed.server.config import AUTO_BATCH_LIMITS, ServerConfig, env_name, load_config
+from minilm_embed.server.front import SHUTDOWN_NOTICE_S
 from minilm_embed.server.health import SERVICE_NAME
 from minilm_embed.server.metrics import Metrics
 from tests.server_process import ServerProcess, model_dir
@@ -40,6 +42,8 @@ from tests.server_process import ServerProcess, model_dir
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ("cpu", "gpu")
 IMAGE_PYTHON = "/opt/venv/bin/python"  # the runtime image's interpreter: this venv's here
+# The container's named ports and the settings whose addresses they serve.
+SERVER_PORTS = {"grpc": "address", "http": "http_address", "metrics": "metrics_address"}
 Resource = dict[str, Any]
 
 
@@ -284,12 +288,15 @@ def test_image_user_ports_and_build_context() -> None:
     assert {"build", ".venv", "tests"} <= set(ignored)
 
 
-def start_image_command(extra: list[str] | None = None) -> ServerProcess:
-    """ENTRYPOINT + CMD as the image runs them, configured through its ENV as Kubernetes does."""
+def start_image_command(extra: list[str] | None = None, home: Path | None = None) -> ServerProcess:
+    """ENTRYPOINT + CMD as the image runs them, configured through its ENV as Kubernetes does; `home`:
+    a writable HOME (the image's is /nonexistent), where anything the server persists would show."""
     argv = exec_form("ENTRYPOINT") + exec_form("CMD") + (extra or [])
     assert argv[0] == IMAGE_PYTHON
+    base = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "ORT_DISABLE_TELEMETRY")}
     env = {
-        **os.environ,
+        **base,
+        **({"HOME": str(home)} if home is not None else {}),
         **image_env(),
         "EMBED_MODEL_DIR": str(model_dir()),
         "EMBED_ADDRESS": "127.0.0.1:0",
@@ -316,9 +323,17 @@ def run_healthcheck(server_port: int, cwd: Path) -> subprocess.CompletedProcess[
 def test_image_command_serves_and_healthcheck_follows_it(tmp_path: Path) -> None:
     _, command = healthcheck()
     assert f"service='{SERVICE_NAME}'" in command[-1], "the healthcheck must ask for the service by name"
-    server = start_image_command().wait_serving()
+    home = tmp_path / "home"
+    home.mkdir()
+    server = start_image_command(home=home).wait_serving()
     assert server.port is not None
     try:
+        # ONNX Runtime 1.29+ sends telemetry from Linux (DNS lookups of mobile.events.data.microsoft.com
+        # seen within seconds of a session's creation) and persists a device id under
+        # ~/.cache/Microsoft unless ORT_DISABLE_TELEMETRY=1 is set before it starts: a serving pod must
+        # not call out, nor log a warning about an id it cannot write on a read-only root.
+        assert not list(home.rglob("*")), sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+        assert not [line for line in server.lines if "telemetry" in line.lower()]
         # From another directory: the one-liner needs only grpcio-health-checking.
         healthy = run_healthcheck(server.port, tmp_path)
         assert healthy.returncode == 0, healthy.stderr
@@ -365,7 +380,9 @@ def test_termination_grace_outlasts_prestop_and_drain(
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
     pre_stop = float(command[1])
-    drain = load_config([], flags(docs)).drain_timeout_s
+    # After SIGTERM a front says NOT_SERVING, waits SHUTDOWN_NOTICE_S for clients' health watches to
+    # move away, and only then gives accepted calls the drain timeout (server/front.py, drain).
+    drain = SHUTDOWN_NOTICE_S + load_config([], flags(docs)).drain_timeout_s
     assert pod(docs)["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
     # Liveness must not kill a pod that says NOT_SERVING because it is draining.
     liveness = container["livenessProbe"]
@@ -415,6 +432,23 @@ def test_front_processes_are_set_for_the_cpus_the_pod_requests(
     assert config.front_processes > 0, "EMBED_FRONT_PROCESSES is auto: it would follow the node's cores"
     requested = int(cpus(server_container(docs)["resources"]["requests"]["cpu"]))
     assert config.front_processes == plan_fronts(dataclasses.replace(config, front_processes=0), requested)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_threads_and_instances_fit_the_cores_the_pod_gets(
+    overlay: str, manifests: dict[str, list[Resource]]
+) -> None:
+    """The server refuses --threads or --model-instances above its usable cores (exit 2) and warns when
+    their product is above them. A pod sees its CPU limit (rounded up, cgroup v2 cpu.max), or without
+    one a node's cores, at least the CPUs it requests."""
+    docs = manifests[overlay]
+    config = load_config([], flags(docs))
+    resources = server_container(docs)["resources"]
+    limit = resources.get("limits", {}).get("cpu")
+    cores = math.ceil(cpus(limit)) if limit else int(cpus(resources["requests"]["cpu"]))
+    assert config.threads and config.model_instances, "auto would follow the node's cores"
+    check_cores(config, cores)
+    assert config.threads * config.model_instances <= cores
 
 
 def fake_cgroup(tmp_path: Path, cpu_max: dict[str, str], own: str = "/kubepods/pod1/server") -> Path:
@@ -467,9 +501,14 @@ def test_services_select_the_pods(overlay: str, manifests: dict[str, list[Resour
     grpc_service = one(docs, "Service", "minilm-embed-grpc")
     assert grpc_service["spec"]["clusterIP"] == "None"  # headless: DNS gives clients every pod
     metrics_service = one(docs, "Service", "minilm-embed-metrics")
-    for service in (grpc_service, metrics_service):
+    http_service = one(docs, "Service", "minilm-embed-http")
+    for service in (grpc_service, metrics_service, http_service):
         assert selects(service["spec"]["selector"], labels)
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= ports
+    # Each named container port is the port the server listens on for it.
+    config = load_config([], flags(docs))
+    listening = {name: port(getattr(config, setting)) for name, setting in SERVER_PORTS.items()}
+    assert {p["name"]: p["containerPort"] for p in server_container(docs)["ports"]} == listening
     monitor = one(docs, "ServiceMonitor")["spec"]
     assert selects(monitor["selector"]["matchLabels"], metrics_service["metadata"]["labels"])
     assert not selects(monitor["selector"]["matchLabels"], grpc_service["metadata"]["labels"])
@@ -532,7 +571,7 @@ def mounts(service: dict[str, Any]) -> dict[str, Path]:
 def test_compose_wires_prometheus_rules_and_grafana_dashboard() -> None:
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text(encoding="utf-8"))["services"]
     assert {"embed", "prometheus", "grafana"} <= set(services)
-    drain = float(services["embed"]["environment"]["EMBED_DRAIN_TIMEOUT_S"])
+    drain = SHUTDOWN_NOTICE_S + float(services["embed"]["environment"]["EMBED_DRAIN_TIMEOUT_S"])
     assert float(services["embed"]["stop_grace_period"].removesuffix("s")) > drain
     prometheus = mounts(services["prometheus"])
     config = yaml.safe_load(prometheus["/etc/prometheus/prometheus.yml"].read_text(encoding="utf-8"))
