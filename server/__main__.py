@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
     flag reaches it. The server's modules are imported after the stop signals are caught (signals.py).
     """
     signals.catch()
+    # Before onnxruntime is imported (the engine and fronts inherit it): onnxruntime 1.31 on Linux
+    # otherwise keeps a device id under ~/.cache and uploads telemetry to Microsoft. An operator's own
+    # setting stands.
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     from minilm_embed.server.app import StartupError, configure_process, serve
     from minilm_embed.server.backend import ModelRepositoryError
     from minilm_embed.server.config import ConfigError, load_config

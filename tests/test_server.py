@@ -938,3 +938,14 @@ def test_a_second_signal_while_draining_stops_at_once_cutting_the_calls_in_fligh
     said = [line for line in server.lines if "second stop signal" in line]
     assert len(said) == 1 and "(SIGINT) while draining: stopping now" in said[0], said
     assert not [pid for pid in children if pid is not None and Path(f"/proc/{pid}").exists()]
+
+
+def test_the_server_leaves_no_onnx_runtime_telemetry_behind(tmp_path, monkeypatch):
+    """onnxruntime 1.31 keeps a device id and an event database under ~/.cache and uploads them to
+    Microsoft unless ORT_DISABLE_TELEMETRY is set before it starts: the server sets it."""
+    monkeypatch.delenv("ORT_DISABLE_TELEMETRY", raising=False)  # importing minilm_embed.export sets it
+    env = {"HOME": str(tmp_path)}
+    with serving(env=env) as server, EmbeddingClient(server.address) as c:
+        c.embed(["hello"])
+        time.sleep(3)  # without the setting, the files were there 2 s after an answer, not always at once
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], sorted(tmp_path.rglob("*"))
