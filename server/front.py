@@ -401,7 +401,14 @@ async def reclaim_memory(received: Budget) -> None:
 
 def watch_process(pid: int, on_exit: Any) -> None:
     """Call `on_exit` on the event loop the moment process `pid` ends (a pidfd; Linux >= 5.3)."""
-    fd = os.pidfd_open(pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError as e:  # ENOSYS before Linux 5.3, or a seccomp profile that refuses the call
+        raise OSError(
+            e.errno,
+            f"pidfd_open failed ({e.strerror}): a front watches the engine through a pidfd, which needs "
+            "Linux 5.3 or later and a seccomp profile that allows pidfd_open",
+        ) from None
     loop = asyncio.get_running_loop()
 
     def ended() -> None:

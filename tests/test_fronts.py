@@ -8,6 +8,7 @@ engine's death is answered at once and ends the server non-zero, SIGTERM drains 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import signal
@@ -29,6 +30,7 @@ from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, em
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.app import STOP_MARGIN_S
+from minilm_embed.server.front import watch_process
 from tests.reference import Reference
 from tests.server_process import (
     ServerProcess,
@@ -286,3 +288,20 @@ def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_w
 
     with serving(*flags) as process:
         asyncio.run(scenario(process))
+
+
+def test_a_kernel_without_pidfd_open_is_named_not_only_its_errno(monkeypatch):
+    """Before Linux 5.3 (or under a seccomp profile refusing it) the server ended with only
+    "[Errno 38] Function not implemented"."""
+
+    def no_pidfd(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+
+    async def watch() -> None:
+        watch_process(os.getpid(), lambda: None)
+
+    with pytest.raises(OSError, match=r"pidfd_open failed \(Function not implemented\).*Linux 5\.3") as e:
+        asyncio.run(watch())
+    assert e.value.errno == errno.ENOSYS
