@@ -24,12 +24,10 @@ import grpc
 import pytest
 
 from minilm_embed.client.client import embed_request
-from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
-from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.conftest import SOAK_SECONDS
 from tests.reliability.probes import RssSampler, Scrape, gauges, scrape, wait_idle
 from tests.reliability.workload import Load, Tally
-from tests.server_process import ServerProcess, serving
+from tests.server_process import SERVICE_NAME, ServerProcess, serving
 
 pytestmark = pytest.mark.alone  # make test runs it after the others, with nothing beside it
 
@@ -119,22 +117,31 @@ def test_soak_every_call_is_answered_correctly_or_refused_and_memory_stays_flat(
 
 
 @asynccontextmanager
-async def open_stream(server: ServerProcess) -> AsyncIterator[None]:
-    """An EmbedStream left open: it holds the drain (up to its timeout) while the counters are read."""
+async def held_call(server: ServerProcess) -> AsyncIterator[None]:
+    """An Embed call whose request is still on its way (a slow upload) while the counters are read: it
+    has its place, so it holds the drain open. Its request, come during the drain, is refused
+    UNAVAILABLE (retried elsewhere), as any not yet read. (An open EmbedStream no longer holds a drain:
+    it ends once the requests it has read are answered.)"""
+    sent = asyncio.Event()
+
+    async def request() -> AsyncIterator[bytes]:
+        await sent.wait()
+        yield embed_request(["hold the drain open"]).SerializeToString()
+
     async with grpc.aio.insecure_channel(server.address) as channel:
-        call = pb_grpc.EmbeddingServiceStub(channel).EmbedStream(timeout=120)
-        await call.write(pb.EmbedStreamRequest(id="hold", request=embed_request(["hold the drain open"])))
-        assert (await call.read()).id == "hold"
+        call = channel.stream_unary(f"/{SERVICE_NAME}/Embed")(request(), timeout=120)
         yield
-        await call.done_writing()
-        assert await call.read() == grpc.aio.EOF
+        sent.set()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
 
 
 def test_sigterm_in_the_middle_of_the_soak_load_answers_every_accepted_call_and_exits_0(
     server, sentences, references, figures
 ):
     async def scenario() -> tuple[Tally, Scrape, Scrape, float]:
-        async with open_stream(server):
+        async with held_call(server):
             before = await asyncio.to_thread(scrape, server)
             async with Load(
                 server.address, sentences, references, CALLERS, CHANNELS, DEADLINE_S, seed=2
@@ -175,5 +182,6 @@ def test_sigterm_in_the_middle_of_the_soak_load_answers_every_accepted_call_and_
     assert set(server_codes) <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, server_codes
     assert delta.requests("OK") == seen["OK"]
     assert delta.requests("RESOURCE_EXHAUSTED") == seen["RESOURCE_EXHAUSTED"]
-    assert gauges(drained) == {"embed_queue_depth": 0, "embed_requests_in_flight": 1}  # the open stream
+    # The held call is not in flight until its request is read: nothing is, while the drain waits for it.
+    assert gauges(drained) == {"embed_queue_depth": 0, "embed_requests_in_flight": 0}
     assert any("draining" in line for line in server.lines)
