@@ -30,10 +30,12 @@ from minilm_embed.client.client import (
     to_array,
 )
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
+from minilm_embed.server import __version__  # the package's; server/__init__.py imports nothing
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="minilm-embed", description=__doc__)
+    p.add_argument("--version", action="version", version=f"minilm-embed {__version__}")
     p.add_argument(
         "--address",
         default=os.environ.get("EMBED_ADDRESS", DEFAULT_ADDRESS),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # pyproject.toml's (the image runs from source, without package metadata)
 
 # Top-level modules of pyproject's `server` extra: a client-only install lacks them.
 SERVER_EXTRA = {"onnxruntime", "tokenizers", "zmq", "prometheus_client", "grpc_health", "grpc_reflection"}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
+from minilm_embed.server import __version__
 
 Device = Literal["auto", "cuda", "cpu"]
 
@@ -384,6 +385,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Batched gRPC and HTTP embedding server.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -143,3 +144,9 @@ def test_unreachable_server_gives_one_clear_error_line_and_exit_1(command):
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("client: error: UNAVAILABLE"), done.stderr
+
+
+def test_version_is_the_installed_packages_and_exits_0():
+    done = run_client("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"minilm-embed {importlib.metadata.version('minilm-embed')}"

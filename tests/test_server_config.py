@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import re
 import socket
@@ -203,6 +204,12 @@ def test_help_still_lists_every_flag_and_exits_0():
     assert done.returncode == 0, done.stderr
     for name in FIELDS:
         assert flag(name) in done.stdout and env_name(name) in done.stdout
+
+
+def test_version_is_the_installed_packages_and_exits_0():
+    done = run_server("--version", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"minilm-embed-serve {importlib.metadata.version('minilm-embed')}"
 
 
 @pytest.mark.parametrize("name", ["threads", "model_instances"])
