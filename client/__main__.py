@@ -260,7 +260,7 @@ def plural(n: int, noun: str) -> str:
 
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
-    stopped_by = [signal.SIGINT]
+    stopped_by: list[int] = [signal.SIGINT]
     signal.signal(signal.SIGTERM, functools.partial(_stop, stopped_by))
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
