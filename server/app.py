@@ -56,6 +56,9 @@ from minilm_embed.server.security import load_token, server_credentials
 log = logging.getLogger(__name__)
 
 STOP_MARGIN_S = 10.0  # beyond the drain timeout, before a child that will not stop is killed
+# A further stop signal this soon after the one that began the stop is the same stop: process managers
+# (honcho, foreman, some CI runners) signal the process group and forward the signal too.
+SAME_STOP_S = 1.0
 # glibc's allocator in the fronts (read when they start): two arenas, not one per thread. Large
 # blocks (requests, texts) stay in the heap and front.reclaim_memory hands freed pages back with
 # malloc_trim. Mapping each block of 64 kB or more on its own (MALLOC_MMAP_THRESHOLD_) gave memory
@@ -198,6 +201,8 @@ class Supervisor:
     caught: list[int] = field(default_factory=list)
     wakeup: int | None = None
     forced: bool = False
+    _stop_signals: int = 1  # the signals caught that count as the stop under way
+    _stop_started: float = 0.0  # time.monotonic() when stop() began
 
     def __post_init__(self) -> None:
         self.engine_address = f"ipc://{self.run_dir}/engine.sock"
@@ -330,7 +335,8 @@ class Supervisor:
     def stop(self) -> int:
         """Drain every front, then stop the engine; the exit status for the server: 128 + the signal's
         number when a second stop signal cut the drain short (a shell's code for a death by it)."""
-        started = time.monotonic()
+        started = self._stop_started = time.monotonic()
+        self._stop_signals = max(len(self.caught), 1)
         deadline = started + self.config.drain_timeout_s + STOP_MARGIN_S
         for front in self.fronts.values():
             _signal(front, signal.SIGTERM)
@@ -368,8 +374,11 @@ class Supervisor:
                 os.read(self.wakeup, 512)
 
     def _second_signal(self) -> bool:
-        if len(self.caught) > 1 and not self.forced:
-            self.force()
+        if len(self.caught) > self._stop_signals and not self.forced:
+            if time.monotonic() - self._stop_started < SAME_STOP_S:
+                self._stop_signals = len(self.caught)  # the same stop, delivered twice
+            else:
+                self.force()
         return self.forced
 
     def force(self) -> None:

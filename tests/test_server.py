@@ -940,6 +940,17 @@ def test_a_second_signal_while_draining_stops_at_once_cutting_the_calls_in_fligh
     assert not [pid for pid in children if pid is not None and Path(f"/proc/{pid}").exists()]
 
 
+def test_a_stop_signal_delivered_twice_at_once_is_one_stop_not_a_forced_one():
+    """Process managers (honcho, foreman, some CI runners) signal the process group and forward the
+    signal too: two SIGTERMs a moment apart must drain as one, not cut the calls in flight."""
+    with serving() as server:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.wait(60)
+    assert code == 0, "".join(server.lines[-20:])
+    assert not [line for line in server.lines if "second stop signal" in line]
+
+
 def test_the_server_leaves_no_onnx_runtime_telemetry_behind(tmp_path, monkeypatch):
     """onnxruntime 1.31 keeps a device id and an event database under ~/.cache and uploads them to
     Microsoft unless ORT_DISABLE_TELEMETRY is set before it starts: the server sets it."""
