@@ -69,14 +69,24 @@ def resumable(directory: Path) -> Path:
 def batch_order(plan: Plan, data: TrainingData) -> dict[str, Any]:
     """What fixes the batches of every step: a resumed run must have the same, or it would continue on
     other batches than the run it continues."""
-    digest = hashlib.sha256(json.dumps([data.pairs, data.scored]).encode()).hexdigest()
     return {
         "batch_size": plan.batch_size,
         "seed": plan.seed,
         "pairs": len(data.pairs),
         "scored_pairs": len(data.scored),
-        "data_sha256": digest,
+        "data_sha256": _digest(data),
     }
+
+
+def _digest(data: TrainingData) -> str:
+    """The tokenized pairs' sha256, fed a pair at a time: one JSON string of every token id of an
+    NLI-sized set would take hundreds of MB at once."""
+    digest = hashlib.sha256()
+    for kind in (data.pairs, data.scored):
+        for item in kind:
+            digest.update(json.dumps(item).encode() + b"\n")
+        digest.update(b"--\n")  # where the pairs end and the scored pairs begin
+    return digest.hexdigest()
 
 
 def _counts(order: dict[str, Any]) -> tuple[int, int]:
