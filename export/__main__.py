@@ -2,22 +2,25 @@
 
 Writes into a temporary directory beside --out and moves it into place only when the parity gate
 passes, so a failed or interrupted export never leaves a half-written repository behind; one killed
-outright (SIGKILL) leaves its staging directory, which the next export to the same --out removes.
+outright (SIGKILL) leaves its staging directory, which the next export to the same --out removes
+(one whose marker no process holds locked any more).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +57,9 @@ from minilm_embed.model.weights import (
 )
 
 CALIBRATION_SENTENCES = 800
-# Written first into each staging directory (which export and which host), removed just before the
-# directory becomes --out: what tells a killed export's leftovers from a directory someone else made.
+# In each staging directory from the start, locked (flock LOCK_EX) by its export for the export's whole
+# life, removed just before the directory becomes --out: a marker no process holds locked is a killed
+# export's leftover, whatever PID namespace or host it ran in. Its text (host, pid) is for people.
 STAGING_MARKER = ".export-staging"
 
 
@@ -181,8 +185,9 @@ def build_fp16(
         return None
 
 
-def replace_dir(staging: Path, out: Path) -> None:
-    """Swap `staging` in as `out`; a Ctrl-C meanwhile is raised once the swap is done."""
+def replace_dir(staging: Path, out: Path, swapped: list[Path]) -> None:
+    """Swap `staging` in as `out`, appending `out` to `swapped` the moment it is in place; a Ctrl-C
+    meanwhile is raised once the swap is done (one before it began is raised with `swapped` empty)."""
     old = out.with_name(out.name + ".old")
     with interrupts_deferred():
         (staging / STAGING_MARKER).unlink()
@@ -190,6 +195,7 @@ def replace_dir(staging: Path, out: Path) -> None:
         if out.exists():
             out.rename(old)
         staging.rename(out)
+        swapped.append(out)
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -200,34 +206,88 @@ def staging_beside(out: Path) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     clear_stale_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    lock: int | None = None
     try:
         staging.chmod(0o755)  # mkdtemp makes it 0700; the server may run as another user
-        owner = {"host": socket.gethostname(), "pid": os.getpid()}
-        (staging / STAGING_MARKER).write_text(json.dumps(owner) + "\n", encoding="utf-8")
+        lock = locked_marker(staging)
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)  # only now that the directory is gone (removed, or renamed to `out`)
+
+
+def locked_marker(staging: Path) -> int:
+    """Write `staging`'s STAGING_MARKER, locked: the open descriptor holding its flock (LOCK_EX), which
+    lasts until that descriptor is closed or this process ends, however it ends. The marker is written
+    under another name and renamed once locked, so no other export ever sees it unlocked."""
+    pending = staging / (STAGING_MARKER + ".new")
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        owner = {"host": socket.gethostname(), "pid": os.getpid()}
+        os.write(fd, (json.dumps(owner) + "\n").encode())
+        pending.rename(staging / STAGING_MARKER)  # the same file: the lock goes with it
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def clear_stale_staging(out: Path) -> None:
-    """Remove each directory named as staging_beside names them whose marker names a process of this
-    host that is gone; one without the marker may be someone's own: it is named, never removed."""
+    """Remove each directory named as staging_beside names them whose marker no process holds locked
+    (its export is gone); one whose marker is locked is a running export's, left alone. One without the
+    marker may be someone's own: it is named, never removed."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}")  # tempfile.mkdtemp's 8 characters
     for path in sorted(out.parent.iterdir()):
         if not pattern.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
             continue
-        pid = staging_owner(path)
-        if pid is None:
+        fd = open_marker(path / STAGING_MARKER)
+        if fd is None:
             print(
                 f"export: note: {path} is not removed: named like an export's staging directory, but "
-                f"without the {STAGING_MARKER} of one killed on this host; remove it if it is not in use",
+                f"without the {STAGING_MARKER} marker of one; remove it if it is not in use",
                 file=sys.stderr,
             )
-        elif not running(pid) and remove(path):
-            print(
-                f"export: removed {path}, the staging directory of an export that was killed (pid {pid})",
-                file=sys.stderr,
-            )
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # held: that export is running (in whatever PID namespace, on whatever host)
+            if not still_marks(fd, path / STAGING_MARKER):
+                continue  # its export finished meanwhile: the directory was removed or became --out
+            # Locked here now, so no other export's cleanup removes it at the same time.
+            owner = marker_owner(fd)
+            if remove(path):
+                print(
+                    f"export: removed {path}, the staging directory of an export that was killed{owner}",
+                    file=sys.stderr,
+                )
+        finally:
+            os.close(fd)
+
+
+def open_marker(marker: Path) -> int | None:
+    """A read-only descriptor of `marker` where it is a regular file (not a link), else None."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def still_marks(fd: int, marker: Path) -> bool:
+    """Whether the file open on `fd` is still `marker` (not unlinked or replaced since it was opened)."""
+    try:
+        now = os.stat(marker, follow_symlinks=False)
+    except OSError:
+        return False
+    opened = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def remove(path: Path) -> bool:
@@ -236,26 +296,18 @@ def remove(path: Path) -> bool:
     return not path.exists()
 
 
-def staging_owner(staging: Path) -> int | None:
-    """The pid of the export on this host that wrote `staging`'s marker, or None."""
+def marker_owner(fd: int) -> str:
+    """ " (host H, pid N)" as the marker open on `fd` names its export, or "" where it names none."""
     try:
-        owner = json.loads((staging / STAGING_MARKER).read_text(encoding="utf-8"))
+        owner = json.loads(os.read(fd, 4096).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return None
-    pid = owner.get("pid")
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
-
-
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: another user's process
-        return True
-    return True
+        return ""
+    if not isinstance(owner, dict):
+        return ""
+    host, pid = owner.get("host"), owner.get("pid")
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool):
+        return ""
+    return f" (host {host}, pid {pid})"
 
 
 def export(args: argparse.Namespace) -> None:
@@ -263,11 +315,16 @@ def export(args: argparse.Namespace) -> None:
     check_out(args.out, MANIFEST_FILE, "a model repository")
     weights = args.weights or default_weights_dir()
     expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
-    with staging_beside(args.out) as staging:
-        build(weights, expected, staging, args.data_dir, not args.no_int8)
-        # Ctrl-C pressed while the new repository was swapped in: it is written, the export is done.
-        with suppress(KeyboardInterrupt):
-            replace_dir(staging, args.out)
+    swapped: list[Path] = []
+    try:
+        with staging_beside(args.out) as staging:
+            build(weights, expected, staging, args.data_dir, not args.no_int8)
+            replace_dir(staging, args.out, swapped)
+    except KeyboardInterrupt:
+        if not swapped:
+            raise  # before the new repository was in place: --out is unchanged
+        # Ctrl-C pressed while (or after) the new repository was swapped in: it is written, the export
+        # is done.
 
 
 def main(argv: list[str] | None = None) -> int:

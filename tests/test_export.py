@@ -5,12 +5,15 @@ parity gate refuses a model that does not match."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -642,6 +645,7 @@ def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     process = export_process(ckpt, out)
     left = wait_for_staging(process, out)
+    killed = process.pid
     process.kill()
     process.communicate(timeout=60)
     assert left.is_dir()
@@ -653,11 +657,106 @@ def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     assert not left.exists()
-    assert f"export: removed {left}, the staging directory of an export that was killed" in stderr
+    killed_line = f"export: removed {left}, the staging directory of an export that was killed"
+    assert f"{killed_line} (host {socket.gethostname()}, pid {killed})" in stderr
     assert (mine / "notes.txt").read_text() == "keep me"
     assert f"export: note: {mine} is not removed" in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.mynotes1", "ckpt", "out"]
     assert {p.name for p in out.iterdir()} == REPOSITORY_FILES
+
+
+def export_main():  # the CLI module in this process (its name: importing it runs nothing)
+    return importlib.import_module("minilm_embed.export.__main__")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
+
+
+def lock_holder(marker: Path) -> subprocess.Popen[str]:
+    """Another process holding flock(LOCK_EX) on `marker` as a running export does, until its stdin closes."""
+    code = (
+        "import fcntl, os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(marker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    return holder
+
+
+@pytest.mark.parametrize("host", ["this", "another"])
+def test_a_staging_directory_whose_marker_a_live_process_holds_locked_is_not_removed(tmp_path, capsys, host):
+    """Whether an export is running is its lock on the marker, not the host and pid the marker names:
+    an export in another PID namespace (same hostname, same volume) shows a pid that is dead here."""
+    module = export_main()
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.abcd1234"
+    staging.mkdir()
+    (staging / "model.onnx").write_text("being written")
+    hostname = socket.gethostname() if host == "this" else "another-host"
+    marker = staging / module.STAGING_MARKER
+    marker.write_text(json.dumps({"host": hostname, "pid": dead_pid()}) + "\n")
+    holder = lock_holder(marker)
+    try:
+        module.clear_stale_staging(out)
+        assert (staging / "model.onnx").read_text() == "being written"
+        assert "export: removed" not in capsys.readouterr().err
+    finally:
+        holder.communicate("", timeout=30)  # its export ends: the lock goes with it
+    module.clear_stale_staging(out)
+    assert not staging.exists()
+    assert f"export: removed {staging}, the staging directory of an export that was killed" in (
+        capsys.readouterr().err
+    )
+
+
+def fake_build(weights, expected_sha256, staging, data_dir, int8):
+    (staging / "manifest.json").write_text("the new repository")
+
+
+@contextmanager
+def interrupted_before():  # Ctrl-C before interrupts_deferred has put its handler in place
+    raise KeyboardInterrupt
+    yield
+
+
+@contextmanager
+def interrupted_during():  # Ctrl-C deferred while the swap ran, raised once it is done
+    yield
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("deferred", [interrupted_before, interrupted_during])
+def test_ctrl_c_around_the_swap_reports_what_out_holds(tmp_path, capsys, monkeypatch, deferred):
+    module = export_main()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text("the previous repository")
+    monkeypatch.setattr(module, "build", fake_build)
+    monkeypatch.setattr(module, "interrupts_deferred", deferred)
+    status = module.main(["--weights", str(tmp_path / "ckpt"), "--out", str(out), "--no-int8"])
+    captured = capsys.readouterr()
+    assert staging_dirs(out) == []
+    if deferred is interrupted_before:
+        assert status == 130
+        assert "wrote" not in captured.out
+        assert captured.err.splitlines()[-1] == (
+            f"export: interrupted: {out} is unchanged (the staging directory is removed)"
+        )
+        assert (out / "manifest.json").read_text() == "the previous repository"
+    else:
+        assert status == 0
+        assert captured.out == f"export: wrote {out} (parity passed)\n"
+        assert (out / "manifest.json").read_text() == "the new repository"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_exporting_a_trained_checkpoint_prints_no_load_report_for_the_unused_pooler(tmp_path):
