@@ -80,6 +80,8 @@ ROUTING_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMEN
 # The `method` label of embed_requests_total and embed_request_duration_seconds for HTTP calls, beside
 # the gRPC methods' names (/health is not counted: probes would drown the calls).
 EMBEDDINGS, MODELS = "http_embeddings", "http_models"
+# The endpoints' route templates (a traced call's span is named by its template, not its path).
+EMBEDDINGS_ROUTE, MODELS_ROUTE, MODEL_ROUTE = "/v1/embeddings", "/v1/models", "/v1/models/{model:path}"
 METHODS = (EMBEDDINGS, MODELS)
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
 INTERNAL = "internal error; see the server log"
@@ -186,9 +188,9 @@ class HttpApi:
 
     def app(self) -> Starlette:
         routes = [
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route(EMBEDDINGS_ROUTE, self.embeddings, methods=["POST"]),
+            Route(MODELS_ROUTE, self.models, methods=["GET"]),
+            Route(MODEL_ROUTE, self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
@@ -213,13 +215,13 @@ class HttpApi:
                     raise InvalidField("input", str(e)) from None
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
-        return await self._serve(EMBEDDINGS, request, embed, inputs)
+        return await self._serve(EMBEDDINGS, EMBEDDINGS_ROUTE, request, embed, inputs)
 
     async def models(self, request: Request) -> Response:
         async def listing() -> Response:
             return json_response({"object": "list", "data": [self._model()]})
 
-        return await self._serve(MODELS, request, listing, [0])
+        return await self._serve(MODELS, MODELS_ROUTE, request, listing, [0])
 
     async def model(self, request: Request) -> Response:
         async def one() -> Response:
@@ -228,7 +230,7 @@ class HttpApi:
                 return _model_not_found(asked, self.card.id)
             return json_response(self._model())
 
-        return await self._serve(MODELS, request, one, [0])
+        return await self._serve(MODELS, MODEL_ROUTE, request, one, [0])
 
     def _model(self) -> dict[str, Any]:
         card = self.card
@@ -241,14 +243,20 @@ class HttpApi:
         return json_response({"status": "not serving", "reason": readiness.reason}, 503)
 
     async def _serve(
-        self, method: str, request: Request, handler: Callable[[], Awaitable[Response]], inputs: list[int]
+        self,
+        method: str,
+        route: str,
+        request: Request,
+        handler: Callable[[], Awaitable[Response]],
+        inputs: list[int],
     ) -> Response:
-        """Run one call (traced, when tracing is on, as gRPC's interceptor traces a gRPC call)."""
+        """Run one call (traced, when tracing is on, as gRPC's interceptor traces a gRPC call). `route`
+        is the endpoint's route template, the span's name and `http.route`: passed by each endpoint,
+        not read from scope["route"], which Starlette 0.47-0.50 (allowed) do not set: a KeyError, a 500."""
         request_id = self._request_id(request)
         tracer = self.embedder.tracer
         if tracer is None:
             return await self._answer(method, request, request_id, handler, inputs)
-        route = request.scope["route"].path
         with tracer.http_call(request.method, route, request.headers, request_id) as answered:
             response = await self._answer(method, request, request_id, handler, inputs)
             answered(response.status_code)
@@ -569,9 +577,11 @@ class BoundedH11(H11Protocol):
     closed without an answer if not a byte came).
     Without them 20,000 connections that never sent a byte held a front's file descriptors for good,
     and its gRPC listener could accept nothing more. A body's own time is http_body_timeout_s, each
-    way: a connection whose answers the client has left unread, its socket full, for `send_timeout_s`
-    is cut (uvicorn waits for a socket to drain without limit: a client pipelining requests and never
-    reading held its connection, an answer task and an answer's body for good)."""
+    way: a connection whose client has read no byte of its answers for `send_timeout_s`, its socket
+    full, is cut (uvicorn waits for a socket to drain without limit: a client pipelining requests and
+    never reading held its connection, an answer task and an answer's body for good). A client that
+    reads, however slowly, is not: the limit is on a window without progress, not on an answer's
+    whole delivery (uvicorn writes an answer, 1.2 MB for 256 float vectors, at once)."""
 
     max_connections = 1024
     header_timeout_s = 10.0
@@ -582,6 +592,7 @@ class BoundedH11(H11Protocol):
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # the bytes waiting to be sent when the send timer was set
         self._waiting_after: object = None  # the cycle answered last when the timer was set
         if len(self.connections) > self.max_connections:
             if self.metrics is not None:
@@ -621,11 +632,15 @@ class BoundedH11(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_timeout_s, self._not_reading)
+            self._set_send_timer()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self._stop_send_timer()
+
+    def _set_send_timer(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._not_reading)
 
     def _stop_send_timer(self) -> None:
         if self._send_timer is not None:
@@ -633,10 +648,16 @@ class BoundedH11(H11Protocol):
             self._send_timer = None
 
     def _not_reading(self) -> None:
-        """Cut a connection whose answers have not been read for send_timeout_s (the socket still
-        full): closing it would wait for the unread bytes to go out, for ever."""
+        """Cut a connection of which no byte of its answers was read for send_timeout_s (the socket
+        still full, the bytes waiting no fewer): closing it would wait for the unread bytes to go out,
+        for ever. Fewer waiting, the client is reading: another window, from what waits now (asyncio
+        resumes writing only once all but 16 kB went out, so a client reading 1.2 MB at 100 kB/s was
+        cut after send_timeout_s, though reading all along)."""
         self._send_timer = None
-        log.debug("an HTTP client left its answers unread for %g s: connection cut", self.send_timeout_s)
+        if self.transport.get_write_buffer_size() < self._unsent:
+            self._set_send_timer()
+            return
+        log.debug("an HTTP client read no byte of its answers for %g s: connection cut", self.send_timeout_s)
         self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:

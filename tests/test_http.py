@@ -22,12 +22,17 @@ import numpy as np
 import openai
 import orjson
 import pytest
+import uvicorn
 from langchain_openai import OpenAIEmbeddings
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from minilm_embed.client.client import EmbeddingClient, Security
 from minilm_embed.server.errors import InvalidInput
 from minilm_embed.server.front import reuseport_socket
-from minilm_embed.server.http import parse_input
+from minilm_embed.server.http import BoundedH11, parse_input
 from tests.server_process import ServerProcess, fault_entry, flags, serving
 from tests.stand_in_server import HOLD_TEXT
 from tests.test_server import DIMENSIONS, LONG, SHORT, assert_close, metric
@@ -370,6 +375,50 @@ def test_a_client_that_never_reads_its_answers_is_cut_off_after_the_body_timeout
                     received += chunk
         assert received.count(b"HTTP/1.1 200") < sent
         assert httpx.get(process.http_url + "/health").status_code == 200
+
+
+def test_a_client_reading_its_answer_slowly_but_steadily_gets_all_of_it():
+    """uvicorn writes an answer in one write and asyncio resumes writing only once it has nearly all
+    gone out, so the unread-answer timer ran for the answer's whole delivery: a client reading 1.2 MB
+    steadily at 100 kB/s was cut after --http-body-timeout-s. Only a window without progress cuts
+    now. Here 400 kB read at 200 kB/s (2 s) through small socket buffers, the timeout 0.7 s."""
+    size, rate = 400_000, 200_000
+
+    async def big(request: Request) -> Response:
+        return Response(b"x" * size, media_type="application/octet-stream")
+
+    limits = {"send_timeout_s": 0.7, "header_timeout_s": 10.0, "max_connections": 10, "metrics": None}
+    protocol = type("Bounded", (BoundedH11,), limits)
+    app = Starlette(routes=[Route("/big", big)])
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol, log_level="warning", lifespan="off"))
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # accepted sockets inherit it
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not server.started and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with socket.socket() as reader:
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+                reader.settimeout(10)
+                reader.connect(sock.getsockname())
+                reader.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+                received = bytearray()
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := reader.recv(8192):
+                        received += chunk
+                        time.sleep(len(chunk) / rate)  # reading steadily
+                        end = received.find(b"\r\n\r\n")
+                        if end >= 0 and len(received) >= end + 4 + size:
+                            break  # the whole answer (keep-alive: the server does not close)
+        finally:
+            server.should_exit = True
+            thread.join(10)
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == size, (head[:100], len(body))
 
 
 def test_a_wrong_or_missing_token_gets_401_and_health_stays_open(server):

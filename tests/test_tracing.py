@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from starlette.requests import Request
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
@@ -30,6 +31,7 @@ from minilm_embed.server import logs
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.engine import create_engine, onnx_backend
 from minilm_embed.server.front import Front, create_front, start, start_tracing
+from minilm_embed.server.http import HttpApi, ModelCard
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.tracing import RequestTracer
 from tests.server_process import model_dir, serving, wait_until
@@ -184,6 +186,32 @@ async def an_http_call_while_draining(front: Front, exporter: InMemorySpanExport
     (server,) = exporter.get_finished_spans()
     assert server.attributes["http.response.status_code"] == 503
     assert server.status.status_code == StatusCode.ERROR
+
+
+def test_a_traced_http_call_is_named_by_its_route_without_scope_route():
+    """Starlette 0.47-0.50 (which pyproject allows) set no scope["route"]: reading it, every traced
+    HTTP call was a bare 500 from a KeyError. Each endpoint names its own route template now:
+    served here with a scope as those Starlettes leave it."""
+    exporter = InMemorySpanExporter()
+    embedder = types.SimpleNamespace(tracer=RequestTracer(SimpleSpanProcessor(exporter)))
+    card = ModelCard("sentence-transformers/all-MiniLM-L6-v2", 0, 384)
+    api = HttpApi(embedder, Metrics(), card, None, 1 << 20)  # type: ignore[arg-type]
+
+    def request(path: str, **scope: Any) -> Request:
+        fields = {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+        return Request({**fields, **scope})
+
+    async def calls() -> list[int]:
+        listing = await api.models(request("/v1/models"))
+        one = await api.model(
+            request("/v1/models/all-MiniLM-L6-v2", path_params={"model": "all-MiniLM-L6-v2"})
+        )
+        return [listing.status_code, one.status_code]
+
+    assert asyncio.run(calls()) == [200, 200]
+    spans = exporter.get_finished_spans()
+    assert [span.name for span in spans] == ["GET /v1/models", "GET /v1/models/{model:path}"]
+    assert [span.attributes["http.route"] for span in spans] == ["/v1/models", "/v1/models/{model:path}"]
 
 
 def test_health_checks_are_not_traced(tmp_path):
