@@ -261,7 +261,10 @@ def plural(n: int, noun: str) -> str:
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
     stopped_by: list[int] = [signal.SIGINT]
-    signal.signal(signal.SIGTERM, functools.partial(_stop, stopped_by))
+    # Both stop the job at once, wherever it is; a SIGINT left to asyncio.run's own handler cancels the
+    # job's task and waits for it, which a read blocked on a stalled stdin in the main thread outlasts.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, functools.partial(_stop, stopped_by))
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
     except KeyboardInterrupt:
@@ -280,7 +283,8 @@ def cmd_embed_file(args: argparse.Namespace) -> int:
 
 def _stop(stopped_by: list[int], signum: int, frame: object) -> None:
     """SIGTERM (a batch system's or Kubernetes' stop) ends a job as Ctrl-C does: whole rows kept, and
-    a line saying where they are; it killed the job without one before."""
+    a line saying where they are; it killed the job without one before. Input is read in a daemon
+    thread (bulk.ReadAhead), so neither asyncio.run's teardown nor the exit waits on a stalled stdin."""
     stopped_by.append(signum)
     raise KeyboardInterrupt
 

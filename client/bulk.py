@@ -66,13 +66,14 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, Generic, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -446,7 +447,8 @@ def synced(file: IO[Any]) -> None:
 
 
 def rename_durably(source: Path, target: Path) -> None:
-    """os.replace, then the directory's entry synced too (where the platform can open a directory)."""
+    """os.replace, then the directory's entry synced too (where the platform can open and sync a
+    directory)."""
     os.replace(source, target)
     try:
         directory = os.open(target.parent, os.O_RDONLY)
@@ -454,6 +456,8 @@ def rename_durably(source: Path, target: Path) -> None:
         return
     try:
         os.fsync(directory)
+    except OSError:  # EINVAL on some FUSE and network filesystems: the rename stands, the job is done
+        pass
     finally:
         os.close(directory)
 
@@ -590,6 +594,49 @@ async def with_retries(call: Callable[[], Awaitable[T]], backoff: Backoff, stats
     return await call()  # the last attempt: its error is the job's
 
 
+class ReadAhead(Generic[T]):
+    """next(items) in a daemon thread, one item per call as asked for: a read that blocks (a producer
+    that stalls with its pipe open) holds neither the event loop nor the job's stop. Not
+    asyncio.to_thread: asyncio.run's teardown and the interpreter's exit wait for its worker, so a job
+    reading a stalled stdin went on past SIGTERM and Ctrl-C until the producer closed the pipe."""
+
+    def __init__(self, items: Iterator[T], end: T) -> None:
+        self._items, self._end = items, end
+        self._asked = threading.Semaphore(0)
+        self._closed = False
+        self._loop = asyncio.get_running_loop()
+        self._answers: asyncio.Queue[tuple[T, BaseException | None]] = asyncio.Queue()
+        threading.Thread(target=self._read, name="embed-file input", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            self._asked.acquire()
+            if self._closed:
+                return
+            try:
+                answer: tuple[T, BaseException | None] = (next(self._items, self._end), None)
+            except BaseException as e:  # the job's to raise, on its own thread
+                answer = (self._end, e)
+            try:
+                self._loop.call_soon_threadsafe(self._answers.put_nowait, answer)
+            except RuntimeError:  # the loop is closed: the job ended while this line was read
+                return
+            if answer[1] is not None:
+                return
+
+    async def next(self) -> T:
+        self._asked.release()
+        item, error = await self._answers.get()
+        if error is not None:
+            raise error
+        return item
+
+    def close(self) -> None:
+        """Ends the thread unless it is inside a read; then it ends with the process (a daemon)."""
+        self._closed = True
+        self._asked.release()
+
+
 async def run_pipeline(
     records: Iterator[Record],
     embed: Callable[[list[Record]], Coroutine[Any, Any, np.ndarray]],
@@ -606,11 +653,11 @@ async def run_pipeline(
         done, task = pending.popleft()
         write(done, await task)
 
+    source = ReadAhead(chunks(records, batch_size, max_request_bytes), ([], None))
     try:
         error: InputFileError | None = None
-        source = chunks(records, batch_size, max_request_bytes)
         while error is None:
-            chunk, error = await asyncio.to_thread(next, source, ([], None))
+            chunk, error = await source.next()
             if not chunk:
                 break
             if len(pending) >= concurrency:
@@ -621,6 +668,7 @@ async def run_pipeline(
         if error is not None:
             raise error
     finally:
+        source.close()
         for _, task in pending:
             task.cancel()
 
@@ -664,10 +712,21 @@ class Embedder(Protocol):
     async def embed(self, texts: list[str], normalize: bool = True) -> np.ndarray: ...
 
 
+def stdin_bytes() -> IO[bytes]:
+    """A reader of fd 0 of its own, never closed: the daemon thread that reads it may be blocked inside
+    it when the job stops, and at exit the interpreter closes sys.stdin, whose buffer that thread would
+    hold locked ("Fatal Python error: _enter_buffered_busy"). No other reader shares it."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):  # stdin replaced (in-process callers, tests)
+        return sys.stdin.buffer
+    return open(fd, "rb", closefd=False)  # nothing closes it, by design
+
+
 @contextmanager
 def input_stream(source: Path | None) -> Iterator[tuple[IO[bytes], str]]:
     if source is None:
-        yield sys.stdin.buffer, "<stdin>"
+        yield stdin_bytes(), "<stdin>"
         return
     if source.suffix.lower() in NOT_COLUMNS:
         raise InputFileError(

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -698,3 +699,62 @@ def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp
     assert not out.exists()
     assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_job_reading_a_stalled_stdin_stops_promptly_on_a_signal(server, tmp_path, signum, code):
+    """A producer that stops writing but keeps the pipe open: the thread blocked reading stdin must not
+    hold the job past its stop (asyncio.run's teardown and interpreter exit used to wait for it)."""
+    out = tmp_path / "v.npy"
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file", "-"]
+    job = subprocess.Popen(
+        [*command, "--out", str(out), "--batch-size", "2", "--concurrency", "1"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert job.stdin is not None
+        job.stdin.write("".join(t + "\n" for t in corpus(20)))
+        job.stdin.flush()  # and then nothing more, the pipe left open
+        deadline = time.monotonic() + 60
+        # Rows reach the disk as the output's write buffer fills: 20 rows are past its first flush.
+        while rows_on_disk(partial_of(out)) < 5 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.poll() is None and rows_on_disk(partial_of(out)) >= 5
+        time.sleep(1)  # every line read and embedded: the job waits on stdin alone
+        job.send_signal(signum)
+        started = time.monotonic()
+        try:
+            job.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 5 s after {signum.name} with stdin open")
+        assert time.monotonic() - started < 5
+        stderr = job.stderr.read() if job.stderr else ""
+        assert job.returncode == code, stderr
+        assert not out.exists()
+        assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
+        assert "Traceback" not in stderr and "Fatal Python error" not in stderr, stderr
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
+
+
+def test_a_directory_that_cannot_be_synced_still_gets_the_output(tmp_path, monkeypatch):
+    """EINVAL from fsync of a directory (some FUSE and network filesystems) after the rename: the job
+    is done, not an error."""
+    source, target = tmp_path / "v.npy.partial", tmp_path / "v.npy"
+    source.write_bytes(b"rows")
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(22, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    bulk.rename_durably(source, target)
+    assert target.read_bytes() == b"rows" and not source.exists()
