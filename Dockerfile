@@ -84,13 +84,9 @@ COPY --from=export /model /model
 # Compiled now: the Kubernetes manifests mount the root filesystem read-only.
 RUN /opt/venv/bin/python -m compileall -q /app
 # Every flag has an EMBED_* variable (server/config.py); flags given as arguments override them.
-# ORT_DISABLE_TELEMETRY: onnxruntime 1.29+ on Linux uploads telemetry to mobile.events.data.microsoft.com
-# (a process that had loaded the model looked the name up within seconds) and keeps a device id under
-# ~/.cache unless this is set before it starts; with it, nothing is created, persisted or sent.
 ENV PATH=/opt/venv/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    ORT_DISABLE_TELEMETRY=1 \
     EMBED_MODEL_DIR=/model \
     EMBED_ADDRESS=0.0.0.0:50051 \
     EMBED_METRICS_ADDRESS=0.0.0.0:9464 \

@@ -89,10 +89,6 @@ def _digest(data: TrainingData) -> str:
     return digest.hexdigest()
 
 
-def _counts(order: dict[str, Any]) -> tuple[int, int]:
-    return order["pairs"], order["scored_pairs"]
-
-
 def _order_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """How the batch order asked for now differs from the checkpoint's, if it does."""
     for key in ("batch_size", "seed"):
@@ -102,7 +98,11 @@ def _order_problem(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         return (
             f"its training data were {saved['pairs']} pairs and {saved['scored_pairs']} scored pairs, "
             f"those given now are {now['pairs']} and {now['scored_pairs']}"
-            + (" (the same counts, other texts)" if _counts(saved) == _counts(now) else "")
+            + (
+                " (the same counts, other texts)"
+                if (saved["pairs"], saved["scored_pairs"]) == (now["pairs"], now["scored_pairs"])
+                else ""
+            )
         )
     return None
 

@@ -356,8 +356,9 @@ class Supervisor:
             self.engine.join()
         elif self.engine is not None:
             self._stop_engine.close()  # the engine stops when this pipe closes
-            self._wait_for([self.engine], time.monotonic() + STOP_MARGIN_S)
-            codes.append(_join(self.engine, time.monotonic() + STOP_MARGIN_S))
+            engine_deadline = time.monotonic() + STOP_MARGIN_S  # one grace for both waits
+            self._wait_for([self.engine], engine_deadline)
+            codes.append(_join(self.engine, engine_deadline))
         if self.forced:
             return 128 + self.caught[-1]
         # Stopped before it ever served: no call was accepted, so none was lost.

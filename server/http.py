@@ -252,7 +252,7 @@ class HttpApi:
     ) -> Response:
         """Run one call (traced, when tracing is on, as gRPC's interceptor traces a gRPC call). `route`
         is the endpoint's route template, the span's name and `http.route`: passed by each endpoint,
-        not read from scope["route"], which Starlette 0.47-0.50 (allowed) do not set: a KeyError, a 500."""
+        not read from scope["route"], which not every Starlette that pyproject allows (>=0.47) sets."""
         request_id = self._request_id(request)
         tracer = self.embedder.tracer
         if tracer is None:

@@ -217,9 +217,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         return _response(await self.embedder.embed(job, held), fmt)
 
     async def _tokenize(self, request: pb.TokenizeRequest, held: Hold) -> pb.TokenizeResponse:
-        if not request.texts:  # check_count's message names Embed's `token_ids` too
-            raise InvalidInput("no inputs: set `texts` with at least one text")
-        self.embedder.tokenizer.check_count(_inputs(request))
+        self.embedder.tokenizer.check_count(_inputs(request), "`texts` with at least one text")
         truncate = request.truncate if request.HasField("truncate") else True
         prepared = await self.embedder.tokenize(list(request.texts), truncate)
         held.release()

@@ -56,9 +56,10 @@ class RequestTokenizer:
             (start, end), token = self.frame, tokenizer.token
             self.frame_text = f"{token(start)} ({start}) and end with {token(end)} ({end})"
 
-    def check_count(self, count: int) -> None:
+    def check_count(self, count: int, wanted: str = "`texts` or `token_ids` with at least one input") -> None:
+        """`wanted`: what an empty request is told to set (Tokenize has no `token_ids`)."""
         if count == 0:
-            raise InvalidInput("no inputs: set `texts` or `token_ids` with at least one input")
+            raise InvalidInput(f"no inputs: set {wanted}")
         if count > self.limits.max_inputs_per_request:
             raise InvalidInput(
                 f"{count} inputs in one request, over the limit max_inputs_per_request="

@@ -55,11 +55,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
 
 
-def partial_of(out: Path) -> Path:
-    """Where a job writes until it is finished: the output's own name only once it is."""
-    return out.with_name(out.name + ".partial")
-
-
 def test_every_line_break_character_stays_inside_its_row(server, client, tmp_path):
     texts = [f"before{c}after {name}" for name, c in enumerate(LINE_BREAKS)] + ["last line, CRLF ended"]
     path = tmp_path / "breaks.txt"
@@ -130,7 +125,9 @@ def test_bad_input_names_the_line(server, tmp_path, content, flags, message):
     assert message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists()  # an unfinished output never has the finished one's name
-    assert len(read_jsonl(partial_of(out))) == 1  # the row before the bad line is kept: a resume starts at it
+    assert (
+        len(read_jsonl(bulk.partial_path(out))) == 1
+    )  # the row before the bad line is kept: a resume starts at it
 
 
 def test_invalid_utf8_names_the_line(server, tmp_path):
@@ -204,21 +201,23 @@ def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(server, tmp_pa
     flags = ["--batch-size", "8", "--concurrency", "4"]
     job = start_job(server, str(path), "--out", str(resumed), *flags)
     deadline = time.monotonic() + 60
-    while rows_on_disk(partial_of(resumed)) < 100 and job.poll() is None and time.monotonic() < deadline:
+    while (
+        rows_on_disk(bulk.partial_path(resumed)) < 100 and job.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     job.send_signal(signal.SIGKILL)
     job.wait(10)
     assert job.returncode == -signal.SIGKILL, "the job ended before it could be killed"
     assert not resumed.exists()  # a killed job leaves nothing that looks finished
-    killed_at = rows_on_disk(partial_of(resumed))
+    killed_at = rows_on_disk(bulk.partial_path(resumed))
     assert 0 < killed_at < len(lines)
     if suffix == ".npy":
         with pytest.raises(ValueError):  # nor does the partial file load as if it were whole
-            np.load(partial_of(resumed))
+            np.load(bulk.partial_path(resumed))
     done = embed_file(server, str(path), "--out", str(resumed), "--resume", *flags)
     assert done.returncode == 0, done.stderr
     assert f"{killed_at} of them from before" in done.stderr
-    assert not partial_of(resumed).exists()
+    assert not bulk.partial_path(resumed).exists()
     done = embed_file(server, str(path), "--out", str(whole), *flags)
     assert done.returncode == 0, done.stderr
     (ids, got), (want_ids, want) = load(resumed), load(whole)
@@ -491,7 +490,7 @@ def test_a_line_over_the_servers_text_limit_stops_the_job_at_its_line(server, tm
     assert done.returncode == 2, done.stderr
     assert "in.txt:3: 100001 characters, over the server's limit max_text_chars=100000" in done.stderr
     assert "holds the 2 whole rows before this; run again with --resume" in done.stderr
-    assert [r["id"] for r in read_jsonl(partial_of(out))] == [1, 2]
+    assert [r["id"] for r in read_jsonl(bulk.partial_path(out))] == [1, 2]
 
 
 def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp_path):
@@ -616,12 +615,14 @@ def test_a_trailing_empty_line_is_refused_at_its_line_and_leaves_no_output_that_
     assert done.returncode == 2
     assert "in.txt:3: empty line" in done.stderr, done.stderr
     assert not out.exists()
-    assert rows_on_disk(partial_of(out)) == 2
-    assert f"{partial_of(out)} holds the 2 whole rows before this; run again with --resume" in done.stderr
+    assert rows_on_disk(bulk.partial_path(out)) == 2
+    assert (
+        f"{bulk.partial_path(out)} holds the 2 whole rows before this; run again with --resume" in done.stderr
+    )
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     done = embed_file(server, str(path), "--out", str(out), "--resume", *flags)
     assert done.returncode == 0, done.stderr
-    assert not partial_of(out).exists()
+    assert not bulk.partial_path(out).exists()
     ids, vectors = load(out)
     if jsonl:
         ids = [json.loads(line) for line in (tmp_path / "v.ids.jsonl").read_text().splitlines()]
@@ -640,12 +641,12 @@ def test_a_finished_output_grown_by_a_resume_that_fails_is_partial_again(server,
     assert done.returncode == 2
     assert "in.txt:6: empty line" in done.stderr, done.stderr
     assert not out.exists()
-    assert rows_on_disk(partial_of(out)) == 5
+    assert rows_on_disk(bulk.partial_path(out)) == 5
     path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
     done = embed_file(server, str(path), "--out", str(out), "--resume")
     assert done.returncode == 0, done.stderr
     assert "5 of them from before" in done.stderr
-    assert not partial_of(out).exists()
+    assert not bulk.partial_path(out).exists()
     assert_close(np.load(out), alone(client, lines))
 
 
@@ -673,14 +674,14 @@ def test_an_unfinished_output_is_neither_overwritten_nor_guessed_at(
     """Without --resume a new job would start the partial file over; beside a finished output, which
     of the two to go on with is the user's to say."""
     path, out, _ = sealed_job(server, tmp_path, jsonl=False)
-    partial_of(out).write_bytes(out.read_bytes())
+    bulk.partial_path(out).write_bytes(out.read_bytes())
     if "final" not in existing:
         out.unlink()
     before = {f: f.read_bytes() for f in tmp_path.glob("v.*")}
     done = embed_file(server, str(path), "--out", str(out), *flags)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
-    assert str(partial_of(out)) in done.stderr
+    assert str(bulk.partial_path(out)) in done.stderr
     assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
 
 
@@ -691,13 +692,13 @@ def test_an_interrupted_job_says_where_its_rows_are_and_how_to_go_on(server, tmp
     path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
     job = start_job(server, str(path), "--out", str(out), "--batch-size", "8", "--concurrency", "4")
     deadline = time.monotonic() + 60
-    while rows_on_disk(partial_of(out)) < 50 and job.poll() is None and time.monotonic() < deadline:
+    while rows_on_disk(bulk.partial_path(out)) < 50 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     job.send_signal(signum)  # Ctrl-C, or a batch system's stop
     _, stderr = job.communicate(timeout=30)
     assert job.returncode == code, stderr
     assert not out.exists()
-    assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
+    assert f"{bulk.partial_path(out)} holds the rows so far; run again with --resume" in stderr, stderr
     assert "Traceback" not in stderr
 
 
@@ -721,9 +722,9 @@ def test_a_job_reading_a_stalled_stdin_stops_promptly_on_a_signal(server, tmp_pa
         job.stdin.flush()  # and then nothing more, the pipe left open
         deadline = time.monotonic() + 60
         # Rows reach the disk as the output's write buffer fills: 20 rows are past its first flush.
-        while rows_on_disk(partial_of(out)) < 5 and job.poll() is None and time.monotonic() < deadline:
+        while rows_on_disk(bulk.partial_path(out)) < 5 and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert job.poll() is None and rows_on_disk(partial_of(out)) >= 5
+        assert job.poll() is None and rows_on_disk(bulk.partial_path(out)) >= 5
         time.sleep(1)  # every line read and embedded: the job waits on stdin alone
         job.send_signal(signum)
         started = time.monotonic()
@@ -735,7 +736,7 @@ def test_a_job_reading_a_stalled_stdin_stops_promptly_on_a_signal(server, tmp_pa
         stderr = job.stderr.read() if job.stderr else ""
         assert job.returncode == code, stderr
         assert not out.exists()
-        assert f"{partial_of(out)} holds the rows so far; run again with --resume" in stderr, stderr
+        assert f"{bulk.partial_path(out)} holds the rows so far; run again with --resume" in stderr, stderr
         assert "Traceback" not in stderr and "Fatal Python error" not in stderr, stderr
     finally:
         if job.poll() is None:

@@ -328,10 +328,9 @@ def test_image_command_serves_and_healthcheck_follows_it(tmp_path: Path) -> None
     server = start_image_command(home=home).wait_serving()
     assert server.port is not None
     try:
-        # ONNX Runtime 1.29+ sends telemetry from Linux (DNS lookups of mobile.events.data.microsoft.com
-        # seen within seconds of a session's creation) and persists a device id under
-        # ~/.cache/Microsoft unless ORT_DISABLE_TELEMETRY=1 is set before it starts: a serving pod must
-        # not call out, nor log a warning about an id it cannot write on a read-only root.
+        # onnxruntime 1.31 keeps a device id under ~/.cache/Microsoft for upload unless
+        # ORT_DISABLE_TELEMETRY is set before it starts (the server sets it): a serving pod must not
+        # call out, nor log a warning about an id it cannot write on a read-only root.
         assert not list(home.rglob("*")), sorted(str(p.relative_to(home)) for p in home.rglob("*"))
         assert not [line for line in server.lines if "telemetry" in line.lower()]
         # From another directory: the one-liner needs only grpcio-health-checking.

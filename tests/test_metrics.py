@@ -32,7 +32,7 @@ from minilm_embed.server.errors import Dropped, Overloaded
 from minilm_embed.server.http import METHODS as HTTP_METHODS
 from minilm_embed.server.metrics import DROP_REASONS, REFUSAL_REASONS, Metrics, SupervisorMetrics
 from tests.conftest import REPO_ROOT
-from tests.server_process import ServerProcess, start_server
+from tests.server_process import ServerProcess, serving
 
 
 async def submit(batcher: Batcher, rows: list[list[int]], deadline: float | None = None) -> Done:
@@ -422,12 +422,9 @@ def assert_labels_bounded(text: str) -> None:
 
 @pytest.fixture(scope="module")
 def live_server(model_dir: object) -> Iterator[ServerProcess]:
-    server = start_server().wait_serving()
-    try:
+    with serving() as server:
         assert server.metrics_port is not None
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
