@@ -141,7 +141,7 @@ def concurrent_rate(
 ) -> Rate:
     """The server backend with every instance computing at once (one thread each, batches dealt
     round), as the engine runs them: whether two sessions get more from the GPU than one (the
-    served figures could not tell, their load windows staggered; README, "GPU")."""
+    served figures could not tell, their load windows staggered; docs/gpu.md)."""
     batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
     shares = [batches[k :: backend.instances] for k in range(backend.instances)]
 
@@ -586,7 +586,7 @@ def main() -> int:
 
     rates: list[Rate] = []
     # ONNX Runtime first, in a process without torch: on the H100 the served 32-passage level beat
-    # the in-process best, measured after the peer (torch) had run in this process (README, "GPU").
+    # the in-process best, measured after the peer (torch) had run in this process (docs/gpu.md).
     fp32 = [] if "fp32" in skip else backend_rates(cuda_backend(args.model_dir, "fp32"), rows, args.repeats)
     backend16 = cuda_backend(args.model_dir, "fp16")
     fp16 = backend_rates(backend16, rows, args.repeats)

@@ -6,14 +6,14 @@
 With --many-callers N: instead, N callers over 16 connections each repeat one Embed padded to 2 MiB
 (an unknown field: cheap to tokenize, all bytes to read) for 20 s against a server with default
 flags (and any --server-flag), and the peak resident memory of each server process is printed
-(README, "Hostile input": what --max-concurrent-calls bounds).
+(docs/benchmarks.md, "Hostile input": what --max-concurrent-calls bounds).
 
 For each kind of flood (Embed of as many 100 kB texts as the default message limit allows,
 Tokenize of the same, EmbedStream items of 8 such texts, Embed of 256 inputs of 256 token ids):
 the answers' status codes, the server's resident memory (all its processes) idle, at peak and 10 s
 after the load (in all and per process), and the latency of a short Tokenize probe sent every
 100 ms from a process of its own (tests/reliability/hostile.py). Issue 14's targets: only OK or
-RESOURCE_EXHAUSTED, peak < 2x idle, after < 1.1x idle, probe p99 < 100 ms (README, "Hostile
+RESOURCE_EXHAUSTED, peak < 2x idle, after < 1.1x idle, probe p99 < 100 ms (docs/benchmarks.md, "Hostile
 input"; tests/reliability/test_hostile.py asserts all but the probe's latency).
 """
 

@@ -11,7 +11,7 @@ and a `MatMulNBits`, attention fused as shipped. Then, against the shipped fp32 
 thread's CPU time on the first 1,000 distinct STS-B dev sentences in length-sorted batches of 32, the
 graphs interleaved batch by batch (best of --repeats per batch: the machine is shared), the min
 cosine of every dev sentence's vector against fp32's, STS-B dev Spearman, and batch invariance (the
-parity gate's check, 300 inputs). An experiment kept for its answer (README, "Zen 4 again"): the
+parity gate's check, 300 inputs). An experiment kept for its answer (docs/benchmarks.md, "Zen 4 again"): the
 shipped graph is kept.
 """
 

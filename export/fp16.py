@@ -3,7 +3,7 @@
 Each layer's attention is first made one com.microsoft.MultiHeadAttention node, its keys masked by
 the lengths (export.optimize.fuse_attention). With the exported attention, half the node time on an
 H200 went to Softmax and the mask's Add, one node each per layer over batch x 12 x T x T tensors; on
-an H100 the fused graph ran 110-150-token passages 1.28-1.40x as fast (README, "GPU").
+an H100 the fused graph ran 110-150-token passages 1.28-1.40x as fast (docs/gpu.md).
 
 ONNX Runtime's converter (`onnxruntime.transformers.float16`) then turns every float tensor to fp16
 except what is blocked, which runs in fp32 between Casts:

@@ -9,7 +9,7 @@ the tokens of a row, sees the padded (B, T) layout, with padded keys masked. Per
 per-token layers cost ~3.5 MFLOP and attention 1.5 kFLOP x T, so at T = 16 over 99% (at T = 256
 about 90%) of the work scales with real tokens, not with rows x longest row. On unsorted batches
 of STS-B sentences this ran 1.4x faster in one two-thread session and 1.8-2.0x with two one-thread
-callers, on the CPU provider (README, "Benchmarks").
+callers, on the CPU provider (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def plan_instances(provider: str, instances: int, threads: int, cores: int) -> t
     6-40% faster than one instance with two threads, and is not stalled when the event loop takes
     a core), or as many as fit the cores at the threads asked for. On CUDA: one instance. A second
     overlaps one batch's host-side work with the other's GPU run, but on an H100 the GPU got through
-    about the same rows per second either way (87k and 91k served sentences/s; README, "GPU"), and
+    about the same rows per second either way (87k and 91k served sentences/s; docs/gpu.md), and
     it doubles the GPU memory.
     """
     if instances < 0 or threads < 0:
@@ -210,7 +210,7 @@ def _run_on(
 # Token positions a CUDA batch is padded up to, and its rows up to the next power of two up to
 # ROW_STEP, then to the next multiple of ROW_STEP: ORT then sees at most 7 x 22 shapes (rows
 # 1..1,024), each with device buffers made once and reused. GPU memory stayed at 5,092 MiB over
-# 10,000 random batches on an H200 (README, "GPU"). Padded positions and rows (length 0) are masked
+# 10,000 random batches on an H200 (docs/gpu.md). Padded positions and rows (length 0) are masked
 # in the graph and cost attention only, which was 69-82% of the H100's time: served batches of
 # ~450-520 rows ran as 512 or 1,024 rows when rows went to the next power of two throughout
 # (ROW_STEP 0, as until 2026-11-27); at 64, 523 rows run as 576. Not yet measured on a GPU

@@ -128,7 +128,7 @@ class ServerConfig:
     # Embedding-service calls (Embed, EmbedStream, Tokenize, Info) served at once per front; past it
     # a call waits in turn, or is refused, before its message is read. The byte budgets below count
     # a request once read, and gRPC reads each admitted call's whole message: 1,200 callers of 2 MiB
-    # took one front to 2,470 MiB without this, 1,525 at 256, 1,112 at 128, 693 at 64 (README).
+    # took one front to 2,470 MiB without this, 1,525 at 256, 1,112 at 128, 693 at 64 (docs/benchmarks.md).
     max_concurrent_calls: int = 128
     # Calls waiting in turn for one of those places (they have read nothing yet: a waiting call costs
     # gRPC's buffers of its stream's window, not its message); past it a call is refused at once. 200
@@ -250,7 +250,7 @@ class ServerConfig:
 
 # The batch limits `0` (auto) stands for, by execution provider (rows, padded tokens): on the CPU
 # 16-32 rows ran fastest (`make bench-model`, README's settings table); on CUDA the H100's in-process
-# best batch, 1,024 rows (README, "GPU"; the H200's served sweep had found no gain past 256 rows
+# best batch, 1,024 rows (docs/gpu.md; the H200's served sweep had found no gain past 256 rows
 # while a batch's window held every batch to 256).
 AUTO_BATCH_LIMITS = {CPU_PROVIDER: (32, 1024), CUDA_PROVIDER: (1024, 131072)}
 

@@ -84,7 +84,7 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
     the kernels keep per-thread scratch buffers: warmed on threads of its own, the engine grew
     another 33 MB at its first flood of 256-token batches (bench/bench_hostile.py). On CUDA, every
     shape bucket the batch limits reach, each at its most tokens (backend.bucket_warm_shapes): the
-    GPU memory was flat only after each bucket's largest batch had run (H100, README "GPU").
+    GPU memory was flat only after each bucket's largest batch had run (H100, docs/gpu.md).
     """
     started = time.perf_counter()
     if backend.provider == CUDA_PROVIDER:

@@ -5,7 +5,7 @@ EmbedStream and 256 inputs of 256 token ids for 5 s each), while a probe asks ev
 What must hold, each flood: every call ends OK or RESOURCE_EXHAUSTED and some are answered, the
 probe is answered every time, resident memory (all the server's processes) stays below 2x its idle
 value and is back within 10% of it 5 s after the flood. The probe's latency is a figure here, not
-a bound: bench/bench_hostile.py measures it (README, "Hostile input").
+a bound: bench/bench_hostile.py measures it (docs/benchmarks.md, "Hostile input").
 """
 
 from __future__ import annotations
