@@ -55,7 +55,7 @@ from minilm_embed.server.errors import (
     TooLarge,
     Unauthenticated,
 )
-from minilm_embed.server.metrics import Metrics, size_class
+from minilm_embed.server.metrics import HTTP_EMBEDDINGS, HTTP_MODELS, Metrics, size_class
 from minilm_embed.server.security import bearer_matches
 
 log = logging.getLogger(__name__)
@@ -77,12 +77,8 @@ STATUS: dict[type[ServiceError], tuple[int, str]] = {
 # Starlette's own refusals, as gRPC would answer them: no such path, and no such method (gRPC's answer
 # to a method it does not serve).
 ROUTING_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED}
-# The `method` label of embed_requests_total and embed_request_duration_seconds for HTTP calls, beside
-# the gRPC methods' names (/health is not counted: probes would drown the calls).
-EMBEDDINGS, MODELS = "http_embeddings", "http_models"
 # The endpoints' route templates (a traced call's span is named by its template, not its path).
 EMBEDDINGS_ROUTE, MODELS_ROUTE, MODEL_ROUTE = "/v1/embeddings", "/v1/models", "/v1/models/{model:path}"
-METHODS = (EMBEDDINGS, MODELS)
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
 INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
@@ -215,13 +211,13 @@ class HttpApi:
                     raise InvalidField("input", str(e)) from None
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
-        return await self._serve(EMBEDDINGS, EMBEDDINGS_ROUTE, request, embed, inputs)
+        return await self._serve(HTTP_EMBEDDINGS, EMBEDDINGS_ROUTE, request, embed, inputs)
 
     async def models(self, request: Request) -> Response:
         async def listing() -> Response:
             return json_response({"object": "list", "data": [self._model()]})
 
-        return await self._serve(MODELS, MODELS_ROUTE, request, listing, [0])
+        return await self._serve(HTTP_MODELS, MODELS_ROUTE, request, listing, [0])
 
     async def model(self, request: Request) -> Response:
         async def one() -> Response:
@@ -230,7 +226,7 @@ class HttpApi:
                 return _model_not_found(asked, self.card.id)
             return json_response(self._model())
 
-        return await self._serve(MODELS, MODEL_ROUTE, request, one, [0])
+        return await self._serve(HTTP_MODELS, MODEL_ROUTE, request, one, [0])
 
     def _model(self) -> dict[str, Any]:
         card = self.card

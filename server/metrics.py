@@ -22,8 +22,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # Sub-millisecond to a minute: a short text's model run is ~1 ms on a GPU; a queued burst of bulk
-# requests on a small CPU takes 10-20 s (README's p99 at 256 callers of 32 inputs is 18 s), and a
-# quantile past the last finite bucket would read as that bucket's bound.
+# requests on a small CPU takes 10-20 s (docs/benchmarks.md: the p99 at 256 callers of 32 inputs is
+# 18 s), and a quantile past the last finite bucket would read as that bucket's bound.
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0
 )  # fmt: skip
@@ -33,9 +33,12 @@ BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
 SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))
 LARGEST_CLASS = "65+"
-# The `method` label: the gRPC methods and the HTTP endpoints counted (http.py's METHODS; /health is
-# not counted). tests/test_metrics.py checks them against the proto and http.py.
-METHODS = ("Embed", "EmbedStream", "Tokenize", "Info", "http_embeddings", "http_models")
+# The `method` label: the gRPC methods, written out because the engine records here too and never
+# imports protobuf, then the HTTP endpoints counted, named here for http.py (which the engine never
+# imports either; /health is not counted: probes would drown the calls). tests/test_metrics.py checks
+# that every method of the proto and every endpoint http.py counts has its series.
+HTTP_EMBEDDINGS, HTTP_MODELS = "http_embeddings", "http_models"
+METHODS = ("Embed", "EmbedStream", "Tokenize", "Info", HTTP_EMBEDDINGS, HTTP_MODELS)
 # The codes that count as the server failing: the error-ratio recording rule and its alert select
 # these by name (deploy/prometheus/recording.rules.yml).
 SERVER_ERROR_CODES = ("INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED")

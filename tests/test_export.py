@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -82,11 +83,16 @@ CHECK_NAMES = [
 SENTENCES = ["A man is playing a guitar.", "ok", "Two dogs are running through a field of tall grass."]
 
 
-def run_export(*args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI as a user runs it, without a data directory (EMBED_DATA_DIR would supply one)."""
+def export_command(*args: str) -> dict[str, Any]:
+    """The CLI as a user starts it, without a data directory (EMBED_DATA_DIR would supply one): the
+    arguments of subprocess.run or Popen."""
     env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
     command = [sys.executable, "-m", "minilm_embed.export", *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return {"args": command, "cwd": ROOT, "env": env, "text": True}
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(**export_command(*args), capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -581,30 +587,30 @@ def test_a_checkpoint_that_does_not_normalise_exports(tmp_path):
     """A sentence-transformers checkpoint without a Normalize module (modules.json lists only the
     Transformer and Pooling, as for a plain BERT) returns raw pooled vectors: the graph's `embeddings`
     are still their normalisation, and the gate compares it with that, not with the raw vectors."""
-    torch.manual_seed(0)
-    config = EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, normalize=False)
-    ckpt = tmp_path / "ckpt"
-    save_checkpoint(Encoder(config).eval(), default_weights_dir() / "tokenizer.json", ckpt, "plain-bert")
+    ckpt = tiny_checkpoint(tmp_path / "ckpt", "plain-bert", normalize=False)
     result = run_export("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["normalize"] is False
 
 
-def tiny_checkpoint(directory: Path, model_id: str = "tiny") -> Path:
+def tiny_checkpoint(directory: Path, model_id: str = "tiny", normalize: bool = True) -> Path:
     """A one-layer encoder saved as training saves it (no pooler weights), in seconds to export."""
     torch.manual_seed(0)
-    config = EncoderConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_seq_length=64)
+    config = EncoderConfig(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        max_seq_length=64,
+        normalize=normalize,
+    )
     save_checkpoint(Encoder(config).eval(), default_weights_dir() / "tokenizer.json", directory, model_id)
     return directory
 
 
 def export_process(ckpt: Path, out: Path) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k != "EMBED_DATA_DIR"}
-    args = ["--weights", str(ckpt), "--out", str(out), "--no-int8"]
-    command = [sys.executable, "-m", "minilm_embed.export", *args]
-    return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    command = export_command("--weights", str(ckpt), "--out", str(out), "--no-int8")
+    return subprocess.Popen(**command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def staging_dirs(out: Path) -> list[Path]:

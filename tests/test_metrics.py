@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
+from typing import NoReturn
 
 import grpc
 import numpy as np
@@ -22,14 +23,16 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from minilm_embed.client.client import EmbeddingClient, embed_request
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows
 from minilm_embed.server.budget import held_bytes_budget, request_bytes_budget, tokenizing_budget
 from minilm_embed.server.embedder import Embedder
-from minilm_embed.server.errors import Dropped, Overloaded
-from minilm_embed.server.http import METHODS as HTTP_METHODS
+from minilm_embed.server.errors import Dropped, NotReady, Overloaded
+from minilm_embed.server.http import HttpApi, ModelCard
 from minilm_embed.server.metrics import DROP_REASONS, REFUSAL_REASONS, Metrics, SupervisorMetrics
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, serving
@@ -75,8 +78,34 @@ DEFAULT_COLLECTOR_SAMPLES = (
     "python_info",
     "python_gc_collections_total",
 )
+
+
+class _WarmingUp:
+    """An embedder whose engine is still warming up: a call to embed ends at once (503)."""
+
+    tracer = None
+
+    def receiving(self, size: int) -> NoReturn:
+        raise NotReady("warming up")
+
+
+def http_methods() -> set[str]:
+    """The `method` labels the HTTP API really counts its calls under: one call to each of its
+    routes but /health (not counted)."""
+    metrics = Metrics(CollectorRegistry())
+    app = HttpApi(_WarmingUp(), metrics, ModelCard("m", 0, 384), None, 1 << 20).app()  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        for route in app.routes:
+            assert isinstance(route, Route) and route.methods
+            [method] = route.methods - {"HEAD"}
+            if route.path != "/health":
+                client.request(method, re.sub(r"{[^}]*}", "m", route.path))  # "{model:path}": "m"
+    [requests] = [f for f in metrics.registry.collect() if f.name == "embed_requests"]
+    return {s.labels["method"] for s in requests.samples if s.name.endswith("_total") and s.value}
+
+
 # Every label's values come from a closed set: a label taking a request's data would be unbounded.
-METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].methods} | set(HTTP_METHODS)
+METHODS = {m.name for m in pb.DESCRIPTOR.services_by_name["EmbeddingService"].methods} | http_methods()
 BOUNDED = {
     "method": METHODS,
     "code": {c.name for c in grpc.StatusCode},
