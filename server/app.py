@@ -19,6 +19,7 @@ watches its children:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import errno
 import logging
@@ -39,7 +40,7 @@ from typing import Any
 from prometheus_client import multiprocess
 
 from minilm_embed.model.repository import CUDA_PROVIDER, read_manifest
-from minilm_embed.server import signals
+from minilm_embed.server import logs, signals
 from minilm_embed.server.backend import usable_cores, wanted_providers
 from minilm_embed.server.config import (
     ConfigError,
@@ -497,12 +498,17 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
 
 
 def configure_process(config: ServerConfig) -> None:
+    """The supervisor's set-up, before any child starts (they inherit its environment and fd 2)."""
+    if config.log_format == "json":
+        # gRPC's C core, ONNX Runtime and a dying interpreter write to fd 2 past Python's logging:
+        # every process's fd 2 goes through a pipe this process turns into JSON lines. Drained at exit
+        # (after an uncaught exception too), after the children have stopped.
+        atexit.register(logs.relay_stderr())
     configure_logging(config)
     # The tokenizer's own thread pool would compete with ONNX Runtime's threads for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # gRPC's C core logs past Python's logging, in absl's format (never JSON), and since it moved to
-    # absl its default prints INFO lines too: one per client that fails the TLS handshake (a port
-    # scan, a plaintext client). Errors only, gRPC's documented default, unless the operator sets it;
-    # read by each child as it starts gRPC. No hook redirects these lines into our handler (README).
+    # gRPC's C core logs past Python's logging, and since it moved to absl its default prints INFO
+    # lines too: one per client that fails the TLS handshake (a port scan, a plaintext client). Errors
+    # only, gRPC's documented default, unless the operator sets it; read by each child as it starts gRPC.
     if not os.environ.get("GRPC_VERBOSITY"):
         os.environ["GRPC_VERBOSITY"] = "ERROR"

@@ -7,14 +7,26 @@ Lines logged outside the request's task (the engine's batch failures) name it wi
 
 JSON lines come from a small Formatter over json.dumps rather than a library: the fields are fixed
 (ts, level, process, logger, message, request_id(s), exception) and it costs no dependency.
+
+Not every line comes through `logging`: gRPC's C core (absl's format), ONNX Runtime's native logger, a
+traceback printed by a dying interpreter and faulthandler's dumps write to fd 2 directly. With JSON
+lines, the supervisor routes fd 2 (its own and, inherited, every child's) through a pipe, and
+`StderrLines` turns whatever is not a JSON object already into one (`relay_stderr`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
+import re
+import select
+import sys
+import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
@@ -22,6 +34,31 @@ from typing import Any
 MAX_REQUEST_ID_CHARS = 128
 REQUEST_ID_HEADER = "x-request-id"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+# fd 2's pipe: a line longer than this is cut (the rest dropped), and a record of several lines ends
+# before it would grow past it; a record's message stays under about this many characters.
+MAX_LINE_BYTES = 64 * 1024
+# The lines of one record (a traceback's) come in separate writes: the reader waits this long for the
+# next before writing out what it holds, so a child that dies loses nothing and the wait is short.
+GROUP_WAIT_S = 0.1
+DRAIN_S = 2.0  # at exit, at most this long for the lines still in the pipe (a stray child may write on)
+# The pipe's buffer (Linux's fs.pipe-max-size by default): a burst of lines does not block a child.
+PIPE_BYTES = 1 << 20
+# gRPC's C core: "E1127 12:00:00.123456  1234 ssl_transport_security.cc:1519] Handshake failed"
+ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+# ONNX Runtime: "2026-11-27 12:00:00.123456789 [W:onnxruntime:, session_state.cc:1166 Verify...] ..."
+ORT_LINE = re.compile(r"\S+ \S+ \[([VIWEF]):onnxruntime:")
+NATIVE_LEVELS = {"V": "DEBUG", "I": "INFO", "W": "WARNING", "E": "ERROR", "F": "CRITICAL"}
+# Lines after a blank one that still belong to the record: a chained exception's, and the parts of
+# faulthandler's dump ("Fatal Python error: ...").
+LATER_PARTS = (
+    "During handling of the above exception",
+    "The above exception was the direct cause",
+    "Current thread 0x",
+    "Thread 0x",
+    "Stack (most recent call first)",
+    "Extension modules:",
+)
 
 current_request_id: ContextVar[str] = ContextVar("request_id", default="")
 
@@ -114,3 +151,149 @@ def configure(level: str, log_format: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def _native(line: str) -> tuple[str, str] | None:
+    """The level and logger of a native library's line (gRPC's C core, ONNX Runtime), or None."""
+    if m := ABSL_LINE.match(line):
+        return NATIVE_LEVELS[m[1]], "grpc"
+    if m := ORT_LINE.match(line):
+        return NATIVE_LEVELS[m[1]], "onnxruntime"
+    return None
+
+
+def _is_json_object(line: str) -> bool:
+    if not line.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _continues(block: list[str], line: str) -> bool:
+    """Whether `line` (not JSON, not native) belongs to the record `block` holds: a traceback's frames
+    and its last line, a chained exception's traceback, the parts of faulthandler's dump."""
+    if not line.strip() or line[0].isspace() or line.startswith(LATER_PARTS):
+        return True
+    if line.startswith("Traceback"):  # after "...another exception occurred:" or "Process front-0:"
+        return [held for held in block if held.strip()][-1].endswith(":")
+    in_traceback = any(held.startswith("Traceback") for held in block)
+    return in_traceback and block[-1][:1].isspace()  # the exception's line, after the frames
+
+
+def wrapped(block: list[str], read_at: datetime) -> str:
+    """Lines that were not JSON as one JSON object, with the keys JsonFormatter writes. The writing
+    process is unknown: every child shares the pipe."""
+    level, logger = _native(block[0]) or ("ERROR", "stderr")  # a traceback, a fatal error
+    line = {
+        "ts": read_at.isoformat(timespec="milliseconds"),
+        "level": level,
+        "process": "unknown",
+        "logger": logger,
+        "message": "\n".join(block).rstrip(),
+    }
+    return json.dumps(line, ensure_ascii=False)
+
+
+class StderrLines:
+    """The bytes written to fd 2, as JSON lines: a JSON object's line unchanged, any other line wrapped
+    (`wrapped`), the lines of one traceback or dump in one record. `feed` what was read; `idle` when
+    nothing more came within GROUP_WAIT_S, and at EOF. Each returns the lines to write out."""
+
+    def __init__(self) -> None:
+        self.partial = b""  # a line's start, its newline not read yet
+        self.cutting = False  # dropping the rest of a line already written out cut
+        self.block: list[str] = []  # the lines of the record being gathered
+        self.read_at = datetime.now(UTC)  # when its first line was read
+
+    def feed(self, chunk: bytes) -> list[str]:
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        if self.cutting:  # the rest of a line written out cut: dropped, up to its newline
+            self.partial = self.partial if lines else b""
+            lines, self.cutting = lines[1:], not lines
+        if len(self.partial) > MAX_LINE_BYTES:
+            lines.append(self.partial)
+            self.partial, self.cutting = b"", True
+        return [out for line in lines for out in self._line(line)]
+
+    def idle(self) -> list[str]:
+        """Write out what is held: a child that is about to die must not leave its last lines here."""
+        out = self._line(self.partial) if self.partial else []
+        self.partial = b""
+        return out + self._flush()
+
+    def _line(self, raw: bytes) -> list[str]:
+        line = raw[:MAX_LINE_BYTES].decode("utf-8", "replace").rstrip("\r")
+        if len(raw) > MAX_LINE_BYTES:
+            cut = f"{line} [cut: the line was longer than {MAX_LINE_BYTES} bytes]"
+            return [*self._flush(), wrapped([cut], datetime.now(UTC))]
+        if _is_json_object(line):  # written out in the order read: a dead child's traceback first
+            return [*self._flush(), line]
+        out = []
+        if not self.block or _native(line) or not _continues(self.block, line) or self._full(line):
+            out = self._flush()
+            self.read_at = datetime.now(UTC)
+        if line.strip() or self.block:
+            self.block.append(line)
+        return out
+
+    def _full(self, line: str) -> bool:
+        return sum(len(held) + 1 for held in self.block) + len(line) > MAX_LINE_BYTES
+
+    def _flush(self) -> list[str]:
+        block, self.block = self.block, []
+        return [wrapped(block, self.read_at)] if block else []
+
+
+def _write_out(fd: int, lines: list[str]) -> None:
+    data = "".join(line + "\n" for line in lines).encode()
+    with contextlib.suppress(OSError):  # stderr's reader gone: go on reading, or every writer blocks
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+def _relay(read_end: int, out: int, closing: threading.Event) -> None:
+    """The pipe's reader: until EOF, or, once `closing`, until the pipe stays empty for GROUP_WAIT_S."""
+    lines = StderrLines()
+    while True:
+        wait = GROUP_WAIT_S if lines.block or lines.partial or closing.is_set() else None
+        if not select.select([read_end], [], [], wait)[0]:
+            _write_out(out, lines.idle())
+            if closing.is_set():
+                break
+            continue
+        chunk = os.read(read_end, 65536)
+        if not chunk:
+            break
+        _write_out(out, lines.feed(chunk))
+    _write_out(out, lines.idle())
+
+
+def relay_stderr() -> Callable[[], None]:
+    """Route fd 2 through a pipe whose lines a thread of this process writes to the real stderr as
+    JSON (StderrLines); children started from now on inherit the pipe as their fd 2. Returns the drain,
+    to call once at exit, after the children have ended: it writes out the lines still in the pipe.
+
+    The reader is in the supervisor, which outlives its children when one crashes; only the
+    supervisor's own sudden death (SIGKILL) loses the lines not yet read."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    read_end, write_end = os.pipe()
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    os.dup2(write_end, 2)
+    closing = threading.Event()
+    reader = threading.Thread(target=_relay, args=(read_end, real, closing), name="stderr", daemon=True)
+    reader.start()
+
+    def drain() -> None:
+        # Not to EOF: multiprocessing's resource tracker holds the pipe until this process is gone.
+        sys.stderr.flush()
+        closing.set()
+        os.dup2(real, 2)  # what is written from here on goes out directly
+        os.write(write_end, b"\n")  # wakes the reader if it waits for a line; it drops a blank one
+        os.close(write_end)
+        reader.join(DRAIN_S)
+
+    return drain

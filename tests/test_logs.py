@@ -1,11 +1,16 @@
 """Request ids and log lines, end to end: a real server (the fault-injecting entry, so a batch can fail)
-logging JSON; the id comes back in trailing metadata and is in the front's and the engine's lines."""
+logging JSON; the id comes back in trailing metadata and is in the front's and the engine's lines. Lines
+written to stderr past Python's logging (gRPC's C core, ONNX Runtime, a dying child's traceback) come
+out as JSON too."""
 
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +20,7 @@ import pytest
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
-from tests.server_process import ServerProcess, fault_entry, flags, serving, wait_for
+from tests.server_process import ROOT, ServerProcess, fault_entry, flags, serving, wait_for
 from tests.test_security import _authority, _leaf
 
 FAULT = "__fault__ in the log tests"
@@ -23,7 +28,8 @@ FAULT = "__fault__ in the log tests"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with serving("--log-format", "json", entry=fault_entry(FAULT)) as process:
+    # gRPC's C core at INFO writes a WARNING line of its own as each process starts gRPC.
+    with serving("--log-format", "json", env={"GRPC_VERBOSITY": "INFO"}, entry=fault_entry(FAULT)) as process:
         yield process
 
 
@@ -93,11 +99,21 @@ def test_every_line_is_json_and_the_engines_lines_about_a_failing_batch_name_its
         assert {"ts", "level", "process", "logger", "message"} <= line.keys()
 
 
-def test_clients_failing_the_tls_handshake_leave_no_line_that_is_not_json(tmp_path: Path):
-    """gRPC's C core logs in a format of its own, to the process's stderr, past Python's logging: each
-    plaintext or HTTP/1 connection to a TLS port wrote an INFO line "Handshake failed with error
-    SSL_ERROR_SSL" (any scanner could fill the log with them). The server starts gRPC at its
-    documented default, errors only (GRPC_VERBOSITY=ERROR), unless the operator set it."""
+def test_grpc_core_lines_come_out_as_json_with_their_level(server):
+    """The C core writes absl's format ("W1127 12:00:00.123456  1234 log.cc:102] ...") to fd 2 past
+    Python's logging; the supervisor relays every process's fd 2 as JSON."""
+    assert wait_for(lambda: any(line["logger"] == "grpc" for line in json_lines(server)), 10), server.lines
+    core = [line for line in json_lines(server) if line["logger"] == "grpc"]
+    assert core[0]["level"] == "WARNING" and "Log level INFO is not suitable" in str(core[0]["message"])
+    assert str(core[0]["message"]).startswith("W")  # the line as the C core wrote it
+    assert all(line.strip().startswith("{") for line in server.lines if line.strip()), "a line is not JSON"
+
+
+def test_clients_failing_the_tls_handshake_leave_no_line(tmp_path: Path):
+    """Each plaintext or HTTP/1 connection to a TLS port made gRPC's C core write an INFO line
+    "Handshake failed with error SSL_ERROR_SSL" (any scanner could fill the log with them). The
+    server starts gRPC at its documented default, errors only (GRPC_VERBOSITY=ERROR), unless the
+    operator set it."""
     _leaf(tmp_path, "server", _authority(tmp_path, "ca"), server=True)
     tls = {"tls_cert": tmp_path / "server.pem", "tls_key": tmp_path / "server.key", "log_format": "json"}
     environment = {"GRPC_VERBOSITY": ""}  # unset in effect: the test's own environment must not decide
@@ -111,6 +127,139 @@ def test_clients_failing_the_tls_handshake_leave_no_line_that_is_not_json(tmp_pa
     assert server.wait(30) == 0
     foreign = [line for line in server.lines if line.strip() and not line.startswith("{")]
     assert not foreign, foreign
+    assert not [line for line in server.lines if "Handshake failed" in line]
+
+
+# A child that writes to fd 2 directly, then dies of an exception (multiprocessing prints its traceback).
+DYING_CHILD = textwrap.dedent(r"""
+    import atexit, multiprocessing, os
+    from minilm_embed.server import logs
+
+    CHILD = "import os; os.write(2, b'E1127 12:00:00.123456  99 tcp_server.cc:1] raw\\n'); 1 / 0"
+    atexit.register(logs.relay_stderr())
+    child = multiprocessing.get_context("spawn").Process(target=exec, args=(CHILD,))
+    child.start()
+    child.join()
+    os.write(2, b"the supervisor's last raw line, without its newline")
+""")
+
+
+def test_a_dying_childs_lines_and_the_last_lines_before_exit_come_out_as_json():
+    done = subprocess.run(
+        [sys.executable, "-c", DYING_CHILD], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    assert [(line["level"], line["logger"]) for line in lines] == [
+        ("ERROR", "grpc"),
+        ("ERROR", "stderr"),
+        ("ERROR", "stderr"),
+    ], done.stderr
+    traceback = str(lines[1]["message"])
+    assert traceback.startswith("Process SpawnProcess-1:\nTraceback")
+    assert traceback.endswith("ZeroDivisionError: division by zero")
+    assert lines[2]["message"] == "the supervisor's last raw line, without its newline"
+
+
+def test_a_refusal_after_logging_is_set_up_is_a_json_line():
+    missing = ["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"]
+    command = [sys.executable, "-m", "minilm_embed.server", "--log-format", "json", *missing]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    [line] = [json.loads(line) for line in done.stderr.splitlines()]
+    assert line["level"] == "ERROR" and str(line["message"]).startswith("server: error: "), line
+
+
+ABSL = "E1127 12:00:00.123456  1234 ssl_transport_security.cc:1519] Handshake failed with error SSL_ERROR_SSL"
+ORT = (
+    "2026-11-27 12:00:00.123456789 [W:onnxruntime:, session_state.cc:1166 VerifyEachNodeIsAssignedToAnEp] "
+    "Some nodes were not assigned to the preferred execution providers"
+)
+OURS = json.dumps(
+    {
+        "ts": "2026-11-27T12:00:00.000+00:00",
+        "level": "INFO",
+        "process": "engine",
+        "logger": "x",
+        "message": "é",
+    },
+    ensure_ascii=False,
+)
+TRACEBACK = """\
+Process front-0:
+Traceback (most recent call last):
+  File "/app/server/front.py", line 12, in run_front
+    raise KeyError("inner")
+KeyError: 'inner'
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/app/server/front.py", line 14, in run_front
+    1 / 0
+    ~~^~~
+ZeroDivisionError: division by zero
+"""
+FATAL = """\
+Fatal Python error: Segmentation fault
+
+Current thread 0x00007f3a1c5ff740 (most recent call first):
+  File "/app/server/backend.py", line 88 in run
+
+Extension modules: numpy.core._multiarray_umath, grpc._cython.cygrpc (total: 2)
+"""
+
+
+def relayed(*chunks: bytes) -> list[str]:
+    """What the supervisor writes out for `chunks` read from fd 2's pipe, then a pause in the writing."""
+    lines = logs.StderrLines()
+    return [out for chunk in chunks for out in lines.feed(chunk)] + lines.idle()
+
+
+def test_native_lines_get_their_level_and_json_lines_pass_unchanged():
+    absl, ort, ours, other = relayed(f"{ABSL}\n{ORT}\n{OURS}\nplain words\n".encode())
+    assert json.loads(absl) | {"ts": ""} == {
+        "ts": "",
+        "level": "ERROR",
+        "process": "unknown",
+        "logger": "grpc",
+        "message": ABSL,
+    }
+    assert (json.loads(ort)["level"], json.loads(ort)["logger"]) == ("WARNING", "onnxruntime")
+    assert ours == OURS
+    assert (json.loads(other)["level"], json.loads(other)["message"]) == ("ERROR", "plain words")
+
+
+def test_a_traceback_and_a_fatal_error_dump_are_one_record_each_though_written_line_by_line():
+    written = [line.encode() for line in (TRACEBACK + FATAL + ABSL + "\n").splitlines(keepends=True)]
+    traceback, fatal, absl = (json.loads(line) for line in relayed(*written))
+    assert traceback["message"] == TRACEBACK.rstrip() and traceback["logger"] == "stderr"
+    assert fatal["message"] == FATAL.rstrip() and fatal["level"] == "ERROR"
+    assert absl["message"] == ABSL
+
+
+def test_a_json_line_read_after_a_traceback_does_not_overtake_it():
+    """A child's traceback is all in the pipe before the supervisor logs that the child died."""
+    out = relayed(TRACEBACK.encode(), f"{OURS}\n".encode())
+    assert json.loads(out[0])["message"] == TRACEBACK.rstrip() and out[1] == OURS
+
+
+def test_partial_lines_wait_for_their_end_or_a_pause_and_bad_bytes_are_replaced():
+    lines = logs.StderrLines()
+    assert lines.feed(b"half a ") == []
+    assert lines.feed(b"line \xff\xfe\n") == []  # held: a traceback's frames could follow
+    assert [json.loads(line)["message"] for line in lines.idle()] == ["half a line \ufffd\ufffd"]
+    assert lines.feed(b"no newline") == []
+    assert [json.loads(line)["message"] for line in lines.idle()] == ["no newline"]
+
+
+def test_a_line_too_long_is_cut_and_the_next_line_is_whole():
+    long = b"x" * (3 * logs.MAX_LINE_BYTES)
+    in_pieces = [long[i : i + 4096] for i in range(0, len(long), 4096)]
+    for chunks in ([long + b"\nnext\n"], [*in_pieces, b"\nnext\n"]):
+        cut, after = (json.loads(line)["message"] for line in relayed(*chunks))
+        assert cut.startswith("x" * 1000) and len(cut) < logs.MAX_LINE_BYTES + 100
+        assert cut.endswith(f"[cut: the line was longer than {logs.MAX_LINE_BYTES} bytes]")
+        assert after == "next"
 
 
 def test_request_id_from_checks_what_the_caller_sent():
