@@ -22,10 +22,17 @@ from minilm_embed.server.transport import Answer, EngineClient
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
 
-# A single input of up to this many characters tokenizes in well under 100 us: less than handing it
-# to a worker thread and back costs. Anything more runs on the
-# tokenizer's threads (the Rust batch encode releases the GIL), never on the event loop.
-INLINE_TOKENIZE_CHARS = 2048
+# Texts tokenized on the event loop, not handed to a tokenizer thread and back (60-160 us of CPU a
+# request on a Zen 4, against 170-250 us for 32 STS-B sentences themselves): those whose cost, their
+# characters with a non-ASCII text's counted NON_ASCII_WEIGHT times, is at most this. Plain ASCII takes
+# the tokenizer's Python path (model/tokenizer.py) at ~0.08 us a character, holding the GIL on a thread
+# as well: 4,096 characters ~0.35 ms of the loop. Other text takes the library's, at 0.5 (accented
+# Latin) to 1.9 us (CJK) a character: one 2,048-character CJK text, which the earlier one-text rule
+# inlined, held the loop 3.8 ms; within this weight, at most ~0.5 ms. ASCII the Python path does not
+# take (a tokenizer other than BERT's, special tokens' text) runs at ~0.4 us a character, ~1.7 ms.
+# Anything more runs on the tokenizer's threads (the library's batch call releases the GIL).
+INLINE_TOKENIZE_CHARS = 4096
+NON_ASCII_WEIGHT = 16
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ class Embedder:
         return prepared
 
     async def _tokenize_texts(self, texts: list[str], truncate: bool, whole: bool = False) -> Prepared:
-        """One short text inline (faster than a thread hop); anything more off the event loop.
+        """Small requests inline (faster than a thread hop), anything more off the event loop.
 
         Within the front's budget of characters being tokenized at once, refused beyond it.
         """
@@ -150,10 +157,21 @@ class Embedder:
             self.metrics.refusals.labels("tokenizing").inc()
             raise
         try:
-            if len(texts) == 1 and len(texts[0]) <= INLINE_TOKENIZE_CHARS and not whole:
+            if not whole and inline_cost(texts) <= INLINE_TOKENIZE_CHARS:
                 return self.tokenizer.from_texts(texts, truncate)
             loop = asyncio.get_running_loop()
             work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
             return await loop.run_in_executor(self._tokenizing, work, texts, truncate)
         finally:
             self.budget.release(cost)
+
+
+def inline_cost(texts: list[str]) -> int:
+    """The texts' characters, each non-ASCII text's counted NON_ASCII_WEIGHT times (a text longer
+    than the limit ends the count: it cannot be inline)."""
+    cost = 0
+    for text in texts:
+        cost += len(text) if text.isascii() else len(text) * NON_ASCII_WEIGHT
+        if cost > INLINE_TOKENIZE_CHARS:
+            break
+    return cost
