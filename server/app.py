@@ -90,7 +90,7 @@ def plan_fronts(config: ServerConfig, cores: int) -> int:
     is what `usable_cores` says: a pod's CPU limit, not its node's cores.
 
     On the CPU provider the model's own cost dwarfs the front's, and the cores are the model's: a
-    second front added little or lost on 2 cores (README, "Scaling across cores").
+    second front added little or lost on 2 cores (docs/benchmarks.md, "Scaling across cores").
     """
     if config.front_processes:
         return config.front_processes

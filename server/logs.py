@@ -44,6 +44,9 @@ GROUP_WAIT_S = 0.1
 DRAIN_S = 2.0  # at exit, at most this long for the lines still in the pipe (a stray child may write on)
 # The pipe's buffer (Linux's fs.pipe-max-size by default): a burst of lines does not block a child.
 PIPE_BYTES = 1 << 20
+# A field of our own JSON line kept whole up to this many characters when the line would pass
+# MAX_LINE_BYTES: two of them, each character at most 6 bytes escaped, fit.
+KEPT_FIELD_CHARS = 4096
 # gRPC's C core: "E1127 12:00:00.123456  1234 ssl_transport_security.cc:1519] Handshake failed"
 ABSL_LINE = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 # ONNX Runtime: "2026-11-27 12:00:00.123456789 [W:onnxruntime:, session_state.cc:1166 Verify...] ..."
@@ -138,6 +141,15 @@ class JsonFormatter(logging.Formatter):
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exception"] = record.exc_text
+        out = json.dumps(line, ensure_ascii=False)
+        if len(out) * 4 <= MAX_LINE_BYTES or len(out.encode()) <= MAX_LINE_BYTES:
+            return out
+        # Over the stderr relay's line limit it would be cut and re-wrapped, losing level and ids:
+        # each long field keeps its start and end (a traceback's last line says what failed).
+        for key in ("message", "exception"):
+            if len(text := line.get(key, "")) > KEPT_FIELD_CHARS:
+                half = KEPT_FIELD_CHARS // 2
+                line[key] = f"{text[:half]} [... {len(text) - 2 * half} characters cut ...] {text[-half:]}"
         return json.dumps(line, ensure_ascii=False)
 
 
@@ -171,17 +183,6 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def _continues(block: list[str], line: str) -> bool:
-    """Whether `line` (not JSON, not native) belongs to the record `block` holds: a traceback's frames
-    and its last line, a chained exception's traceback, the parts of faulthandler's dump."""
-    if not line.strip() or line[0].isspace() or line.startswith(LATER_PARTS):
-        return True
-    if line.startswith("Traceback"):  # after "...another exception occurred:" or "Process front-0:"
-        return [held for held in block if held.strip()][-1].endswith(":")
-    in_traceback = any(held.startswith("Traceback") for held in block)
-    return in_traceback and block[-1][:1].isspace()  # the exception's line, after the frames
-
-
 def wrapped(block: list[str], read_at: datetime) -> str:
     """Lines that were not JSON as one JSON object, with the keys JsonFormatter writes. The writing
     process is unknown: every child shares the pipe."""
@@ -206,6 +207,11 @@ class StderrLines:
         self.cutting = False  # dropping the rest of a line already written out cut
         self.block: list[str] = []  # the lines of the record being gathered
         self.read_at = datetime.now(UTC)  # when its first line was read
+        # Kept as lines come, so that a line costs the same however long the record (a dump of
+        # thousands of lines must not be read in quadratic time while every writer waits on the pipe).
+        self.block_chars = 0
+        self.in_traceback = False
+        self.last_text = ""  # the block's last line that is not blank
 
     def feed(self, chunk: bytes) -> list[str]:
         *lines, self.partial = (self.partial + chunk).split(b"\n")
@@ -231,18 +237,31 @@ class StderrLines:
         if _is_json_object(line):  # written out in the order read: a dead child's traceback first
             return [*self._flush(), line]
         out = []
-        if not self.block or _native(line) or not _continues(self.block, line) or self._full(line):
+        if not self.block or _native(line) or not self._continues(line) or self._full(line):
             out = self._flush()
             self.read_at = datetime.now(UTC)
         if line.strip() or self.block:
             self.block.append(line)
+            self.block_chars += len(line) + 1
+            self.in_traceback = self.in_traceback or line.startswith("Traceback")
+            self.last_text = line if line.strip() else self.last_text
         return out
 
+    def _continues(self, line: str) -> bool:
+        """Whether `line` (not JSON, not native) belongs to the record being gathered: a traceback's
+        frames and its last line, a chained exception's traceback, the parts of faulthandler's dump."""
+        if not line.strip() or line[0].isspace() or line.startswith(LATER_PARTS):
+            return True
+        if line.startswith("Traceback"):  # after "...another exception occurred:" or "Process front-0:"
+            return self.last_text.endswith(":")
+        return self.in_traceback and self.block[-1][:1].isspace()  # the exception's line, after the frames
+
     def _full(self, line: str) -> bool:
-        return sum(len(held) + 1 for held in self.block) + len(line) > MAX_LINE_BYTES
+        return self.block_chars + len(line) > MAX_LINE_BYTES
 
     def _flush(self) -> list[str]:
         block, self.block = self.block, []
+        self.block_chars, self.in_traceback, self.last_text = 0, False, ""
         return [wrapped(block, self.read_at)] if block else []
 
 
@@ -276,9 +295,15 @@ def relay_stderr() -> Callable[[], None]:
     to call once at exit, after the children have ended: it writes out the lines still in the pipe.
 
     The reader is in the supervisor, which outlives its children when one crashes; only the
-    supervisor's own sudden death (SIGKILL) loses the lines not yet read."""
+    supervisor's own sudden death (SIGKILL) loses the lines not yet read. Without a stderr (started
+    with fd 2 closed) there is nothing to relay to, and nothing changes."""
+    if sys.stderr is None:
+        return lambda: None
     sys.stderr.flush()
-    real = os.dup(2)
+    try:
+        real = os.dup(2)
+    except OSError:
+        return lambda: None
     read_end, write_end = os.pipe()
     with contextlib.suppress(OSError):
         fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -289,10 +314,13 @@ def relay_stderr() -> Callable[[], None]:
 
     def drain() -> None:
         # Not to EOF: multiprocessing's resource tracker holds the pipe until this process is gone.
-        sys.stderr.flush()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
         closing.set()
         os.dup2(real, 2)  # what is written from here on goes out directly
-        os.write(write_end, b"\n")  # wakes the reader if it waits for a line; it drops a blank one
+        os.set_blocking(write_end, False)  # a full pipe (its reader stuck on stderr) must not hold the exit
+        with contextlib.suppress(OSError):
+            os.write(write_end, b"\n")  # wakes the reader if it waits for a line; it drops a blank one
         os.close(write_end)
         reader.join(DRAIN_S)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -287,3 +288,29 @@ def test_text_lines_name_the_request_and_json_lines_carry_the_exception():
         and line["message"] == "boom 1"
         and "ValueError: inner" in line["exception"]
     )
+
+
+def test_a_json_line_too_long_for_the_relay_keeps_its_level_and_both_ends_of_its_fields():
+    """A line over the relay's limit would be cut and re-wrapped as an ERROR of unknown origin."""
+    record = logging.LogRecord(
+        "server.x", logging.WARNING, __file__, 1, "start" + "é\n" * 40_000 + "end", (), None
+    )
+    record.request_id = "r-2"
+    record.exc_text = "Traceback (most recent call last):\n" + "  frame\n" * 20_000 + "ValueError: last"
+    out = logs.JsonFormatter().format(record)
+    assert len(out.encode()) <= logs.MAX_LINE_BYTES
+    [line] = relayed(out.encode() + b"\n")
+    parsed = json.loads(line)
+    assert parsed["level"] == "WARNING" and parsed["request_id"] == "r-2"
+    assert parsed["message"].startswith("start") and parsed["message"].endswith("end")
+    assert "characters cut" in parsed["exception"] and parsed["exception"].endswith("ValueError: last")
+
+
+def test_without_a_stderr_the_relay_changes_nothing():
+    """A server started with fd 2 closed (`2>&-`) serves with JSON logs as with text ones."""
+    code = "from minilm_embed.server import logs; logs.relay_stderr()(); print('relayed nothing')"
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, text=True, timeout=60, cwd=ROOT, preexec_fn=lambda: os.close(2)
+    )
+    assert (done.returncode, done.stdout) == (0, "relayed nothing\n")
