@@ -254,6 +254,11 @@ class Tokenizer:
                     return match.start()
         return PREFIX_CHARS
 
+    def python_path(self, text: str) -> bool:
+        """Whether `text` is tokenized by this module's own WordPiece (plain ASCII, BERT's pipeline,
+        up to PREFIX_CHARS), at ~0.08 us a character for known words, rather than by the library."""
+        return self._words is not None and len(text) <= PREFIX_CHARS and self._plain_ascii(text)
+
     def _plain_ascii(self, text: str) -> bool:
         """ASCII (O(1) per text in CPython) and holding no special token's text."""
         return text.isascii() and (self._raw_specials is None or self._raw_specials.search(text) is None)

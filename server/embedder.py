@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minilm_embed.server.budget import Budget, Hold
@@ -23,15 +23,19 @@ if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
 
 # Texts tokenized on the event loop, not handed to a tokenizer thread and back (60-160 us of CPU a
-# request on a Zen 4, against 170-250 us for 32 STS-B sentences themselves): those whose cost, their
-# characters with a non-ASCII text's counted NON_ASCII_WEIGHT times, is at most this. Plain ASCII takes
-# the tokenizer's Python path (model/tokenizer.py) at ~0.08 us a character, holding the GIL on a thread
-# as well: 4,096 characters ~0.35 ms of the loop. Other text takes the library's, at 0.5 (accented
-# Latin) to 1.9 us (CJK) a character: one 2,048-character CJK text, which the earlier one-text rule
-# inlined, held the loop 3.8 ms; within this weight, at most ~0.5 ms. ASCII the Python path does not
-# take (a tokenizer other than BERT's, special tokens' text) runs at ~0.4 us a character, ~1.7 ms.
-# Anything more runs on the tokenizer's threads (the library's batch call releases the GIL).
+# request on a Zen 4, against 170-250 us for 32 STS-B sentences themselves), are those whose cost,
+# their characters with a text's counted NON_ASCII_WEIGHT times unless it takes the tokenizer's
+# Python path (`Tokenizer.python_path`: plain ASCII), is at most INLINE_TOKENIZE_CHARS and, at the
+# rate inline runs cost lately (InlineRate), within INLINE_BUDGET_US. The Python path holds the GIL
+# on a thread as well and runs ~0.08 us a character for known words, but 2.2 for never-seen 100-letter
+# ones (split by WordPiece): 4,096 such characters held the loop 9 ms, so the rate learned from a run
+# sends the like to the thread from then on. The library's path runs 0.5 (accented Latin) to 5 us
+# (ASCII holding special tokens' text) a character: the weight keeps it within ~1.3 ms; one 2,048-
+# character CJK text, which an earlier rule inlined, held the loop 3.8 ms. Anything more runs on the
+# tokenizer's threads (the library's batch call releases the GIL).
 INLINE_TOKENIZE_CHARS = 4096
+INLINE_BUDGET_US = 500.0
+INLINE_RATE_HALF_LIFE_S = 1.0
 NON_ASCII_WEIGHT = 16
 
 
@@ -82,6 +86,7 @@ class Embedder:
         self.held_bytes = held_bytes
         self.tracer = tracer
         self._tokenizing = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="tokenize")
+        self._inline_rate = InlineRate()
 
     def receiving(self, size: int) -> Hold:
         """Hold a request's `size` bytes until it is tokenized (`release`) and until it is answered
@@ -157,8 +162,13 @@ class Embedder:
             self.metrics.refusals.labels("tokenizing").inc()
             raise
         try:
-            if not whole and inline_cost(texts) <= INLINE_TOKENIZE_CHARS:
-                return self.tokenizer.from_texts(texts, truncate)
+            if not whole and self._inline_rate.allows(
+                inline := inline_cost(texts, self.tokenizer.python_path)
+            ):
+                started = time.perf_counter()
+                prepared = self.tokenizer.from_texts(texts, truncate)
+                self._inline_rate.observe(inline, time.perf_counter() - started)
+                return prepared
             loop = asyncio.get_running_loop()
             work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
             return await loop.run_in_executor(self._tokenizing, work, texts, truncate)
@@ -166,12 +176,39 @@ class Embedder:
             self.budget.release(cost)
 
 
-def inline_cost(texts: list[str]) -> int:
-    """The texts' characters, each non-ASCII text's counted NON_ASCII_WEIGHT times (a text longer
-    than the limit ends the count: it cannot be inline)."""
+def inline_cost(texts: list[str], python_path: Callable[[str], bool]) -> int:
+    """The texts' characters, each of a text not on the tokenizer's Python path counted
+    NON_ASCII_WEIGHT times (the count ends once past the limit: it cannot be inline)."""
     cost = 0
     for text in texts:
-        cost += len(text) if text.isascii() else len(text) * NON_ASCII_WEIGHT
+        cost += len(text) if python_path(text) else len(text) * NON_ASCII_WEIGHT
         if cost > INLINE_TOKENIZE_CHARS:
             break
     return cost
+
+
+@dataclass
+class InlineRate:
+    """What inline tokenizing costs lately, in us per (weighted) character: BASE_US_PER_CHAR, or more
+    after a slow run (never-seen long words), decaying back with a half-life of
+    INLINE_RATE_HALF_LIFE_S. Such requests then go to the thread, and a client mixing them among
+    cheap ones holds the loop about once every INLINE_RATE_HALF_LIFE_S x log2(rate / base) seconds,
+    not once a request. Runs under MIN_OBSERVED_CHARS are not taken: their fixed cost (the arrays)
+    would read as a high rate per character."""
+
+    peak: float = 0.0  # us per character of the last slow run, above the base
+    observed_at: float = field(default_factory=time.monotonic)
+
+    BASE_US_PER_CHAR = 0.1  # about twice the Python path's rate on STS-B sentences (Zen 4)
+    MIN_OBSERVED_CHARS = 256
+
+    def allows(self, cost: int) -> bool:
+        return cost <= INLINE_TOKENIZE_CHARS and cost * self._rate(time.monotonic()) <= INLINE_BUDGET_US
+
+    def observe(self, cost: int, seconds: float) -> None:
+        now = time.monotonic()
+        if cost >= self.MIN_OBSERVED_CHARS and (rate := seconds * 1e6 / cost) > self._rate(now):
+            self.peak, self.observed_at = rate - self.BASE_US_PER_CHAR, now
+
+    def _rate(self, now: float) -> float:
+        return self.BASE_US_PER_CHAR + self.peak * 0.5 ** ((now - self.observed_at) / INLINE_RATE_HALF_LIFE_S)

@@ -49,6 +49,7 @@ class RequestTokenizer:
         assert tokenizer.max_length == limits.max_input_tokens
         self.tokenizer = tokenizer
         self.limits = limits
+        self.python_path = tokenizer.python_path
         self.vocab_size = tokenizer.vocab_size
         self.frame = tokenizer.frame
         self.frame_text = ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import string
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -10,7 +12,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from minilm_embed.server.budget import held_bytes_budget, request_bytes_budget, tokenizing_budget
-from minilm_embed.server.embedder import INLINE_TOKENIZE_CHARS, NON_ASCII_WEIGHT, Embedder
+from minilm_embed.server.embedder import (
+    INLINE_RATE_HALF_LIFE_S,
+    INLINE_TOKENIZE_CHARS,
+    NON_ASCII_WEIGHT,
+    Embedder,
+)
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.tokenization import InputLimits, RequestTokenizer
 
@@ -42,13 +49,14 @@ SENTENCE = "A man is playing a guitar on the stage tonight."  # 47 ASCII charact
 @pytest.mark.parametrize(
     ("texts", "on_the_loop"),
     [
-        ([SENTENCE] * 32, True),  # a typical bulk request: handing it to a thread cost more than it
+        ([SENTENCE] * 32, True),  # 1,504 characters: handing them to a thread cost more than they do
         ([SENTENCE[:32]] * 128, True),  # 4,096 ASCII characters
         (["x" * 4097], False),
         ([SENTENCE[:32]] * 128 + ["x"], False),
         ([CJK[:2048]], False),  # 3.8 ms of the loop on a Zen 4 when one text of 2,048 was inlined
         (["é" * (INLINE_TOKENIZE_CHARS // NON_ASCII_WEIGHT)], True),
         (["é" * (INLINE_TOKENIZE_CHARS // NON_ASCII_WEIGHT + 1)], False),
+        (["[SEP] " + "a" * 300], False),  # ASCII, but the library's path (a special token's text)
         ([SENTENCE] * 8 + [CJK[:300]], False),
     ],
 )
@@ -60,3 +68,25 @@ def test_small_requests_tokenize_on_the_loop_and_costly_ones_on_the_tokenizer_th
     assert pool.handed == (0 if on_the_loop else 1)
     expected = e.tokenizer.from_texts(texts, True)
     assert np.array_equal(prepared.ids, expected.ids) and np.array_equal(prepared.lengths, expected.lengths)
+
+
+def never_seen_words(chars: int, seed: int) -> list[str]:
+    """ASCII text the Python path splits word by word (each new to its cache): ~25x the usual cost."""
+    rng = random.Random(seed)
+    text = " ".join("".join(rng.choices(string.ascii_lowercase, k=99)) for _ in range(chars // 100 + 1))
+    return [text[:chars]]
+
+
+def test_after_a_slow_inline_run_such_requests_go_to_the_thread_until_the_rate_decays(tokenizer):
+    """4,096 characters of never-seen long words held the loop 9 ms inline (Zen 4): once, then the
+    learned rate sends the like to the thread, and cheap requests come back inline as it decays."""
+    e, pool = embedder(tokenizer)
+    run = lambda texts: asyncio.run(e.tokenize(texts, truncate=True))  # noqa: E731
+    run(never_seen_words(4096, seed=1))
+    assert pool.handed == 0  # the first is inline: nothing is known of it before it runs
+    run(never_seen_words(4096, seed=2))
+    run([SENTENCE] * 32)  # at the slow rate, 1,504 characters would hold the loop too long
+    assert pool.handed == 2
+    e._inline_rate.observed_at -= 10 * INLINE_RATE_HALF_LIFE_S  # ten half-lives later
+    run([SENTENCE] * 32)
+    assert pool.handed == 2
