@@ -28,9 +28,10 @@ if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
 # Python path (`Tokenizer.python_path`: plain ASCII), is at most INLINE_TOKENIZE_CHARS and, at the
 # rate inline runs cost lately (InlineRate), within INLINE_BUDGET_US. The Python path holds the GIL
 # on a thread as well and runs ~0.08 us a character for known words, but 2.2 for never-seen 100-letter
-# ones (split by WordPiece): 4,096 such characters held the loop 9 ms, so the rate learned from a run
-# sends the like to the thread from then on. The library's path runs 0.5 (accented Latin) to 5 us
-# (ASCII holding special tokens' text) a character: the weight keeps it within ~1.3 ms; one 2,048-
+# ones (split by WordPiece): 4,096 such characters held the loop 9 ms, once; the rate learned from
+# that run sends the like to the thread until it decays. The library's path runs 0.5 (accented Latin)
+# to 5 us (ASCII holding special tokens' text) a character, ~1.5 ms within the weight (256 texts of
+# one CJK character took 1.1-1.5 ms), then the rate applies as well; one 2,048-
 # character CJK text, which an earlier rule inlined, held the loop 3.8 ms. Anything more runs on the
 # tokenizer's threads (the library's batch call releases the GIL).
 INLINE_TOKENIZE_CHARS = 4096
