@@ -166,9 +166,11 @@ class Embedder:
             if not whole and self._inline_rate.allows(
                 inline := inline_cost(texts, self.tokenizer.python_path)
             ):
-                started = time.perf_counter()
+                # This thread's CPU time: a wait for the GIL (a tokenizer thread holding it) is not
+                # the text's cost, and would send cheap requests to the thread for seconds.
+                started = time.thread_time()
                 prepared = self.tokenizer.from_texts(texts, truncate)
-                self._inline_rate.observe(inline, time.perf_counter() - started)
+                self._inline_rate.observe(inline, time.thread_time() - started)
                 return prepared
             loop = asyncio.get_running_loop()
             work = self.tokenizer.from_texts_whole if whole else self.tokenizer.from_texts
