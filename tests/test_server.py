@@ -492,6 +492,15 @@ items.get()  # the stream stays open, waiting for a next item that never comes
 """
 
 
+def stream_counts(server: ServerProcess) -> str:
+    codes = {
+        c.name: metric(server, "embed_requests_total", method="EmbedStream", code=c.name)
+        for c in grpc.StatusCode
+    }
+    counted = {code: n for code, n in codes.items() if n}
+    return f"EmbedStream calls by code {counted}, in flight {metric(server, 'embed_requests_in_flight')}"
+
+
 def test_a_client_gone_silent_has_its_open_stream_ended_by_the_servers_pings():
     """A client whose node is lost sends no FIN: its open EmbedStream held a call place until gRPC's
     default server ping, after 2 hours. A stopped process answers no ping, as a lost one would."""
@@ -509,7 +518,8 @@ def test_a_client_gone_silent_has_its_open_stream_ended_by_the_servers_pings():
             # Counted, then out of flight (service._record): a scrape that read the counter just before
             # and the gauge just after could see neither, so the wait is on the counter.
             cancelled = {"method": "EmbedStream", "code": "CANCELLED"}
-            assert wait_for(lambda: metric(server, "embed_requests_total", **cancelled) == 1, timeout=20)
+            ended = wait_for(lambda: metric(server, "embed_requests_total", **cancelled) == 1, timeout=20)
+            assert ended, f"after 20 s: {stream_counts(server)}"  # what ended it otherwise, if anything
             assert metric(server, "embed_requests_in_flight") == 0
         finally:
             client.kill()
