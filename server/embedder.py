@@ -22,21 +22,23 @@ from minilm_embed.server.transport import Answer, EngineClient
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
 
-# Texts tokenized on the event loop, not handed to a tokenizer thread and back (60-160 us of CPU a
-# request on a Zen 4, against 170-250 us for 32 STS-B sentences themselves), are those whose cost,
-# their characters with a text's counted NON_ASCII_WEIGHT times unless it takes the tokenizer's
-# Python path (`Tokenizer.python_path`: plain ASCII), is at most INLINE_TOKENIZE_CHARS and, at the
-# rate inline runs cost lately (InlineRate), within INLINE_BUDGET_US. The Python path holds the GIL
-# on a thread as well and runs ~0.08 us a character for known words, but 2.2 for never-seen 100-letter
-# ones (split by WordPiece): 4,096 such characters held the loop 9 ms, once; the rate learned from
-# that run sends the like to the thread until it decays. The library's path runs 0.5 (accented Latin)
-# to 5 us (ASCII holding special tokens' text) a character, ~1.5 ms within the weight (256 texts of
-# one CJK character took 1.1-1.5 ms), then the rate applies as well; one 2,048-
-# character CJK text, which an earlier rule inlined, held the loop 3.8 ms. Anything more runs on the
-# tokenizer's threads (the library's batch call releases the GIL).
+# A request is tokenized on the event loop, not handed to a tokenizer thread and back (60-160 us of
+# CPU on a Zen 4; 32 STS-B sentences take 170-250 us), when its cost is at most INLINE_TOKENIZE_CHARS
+# and, at the rate inline runs took lately (InlineRate), within INLINE_BUDGET_US. Its cost is its
+# characters, a text's counted NON_ASCII_WEIGHT times unless it takes the tokenizer's Python path
+# (`Tokenizer.python_path`: plain ASCII), which holds the GIL on a thread too.
+# Measured inline on a Zen 4, us a character: the Python path ~0.06 for known words, 2.2-2.9 for
+# never-seen 100-letter ones (4,096 characters: 9-12 ms, once, then the rate sends the like to the
+# thread); the library's path 0.5 (accented Latin) to 5-10 (ASCII holding special tokens' text),
+# 1.5-3.3 ms within the weight. One 2,048-character CJK text, which an earlier rule inlined, took
+# 3.8 ms. Anything else runs on the tokenizer's threads (the library's batch call releases the GIL).
 INLINE_TOKENIZE_CHARS = 4096
 INLINE_BUDGET_US = 500.0
 INLINE_RATE_HALF_LIFE_S = 1.0
+INLINE_BASE_US_PER_CHAR = 0.1  # about twice the Python path's rate on STS-B sentences
+# Inline runs shorter than this teach the rate nothing: their fixed cost (the arrays) would read as a
+# high rate per character.
+INLINE_MIN_OBSERVED_CHARS = 256
 NON_ASCII_WEIGHT = 16
 
 
@@ -192,26 +194,22 @@ def inline_cost(texts: list[str], python_path: Callable[[str], bool]) -> int:
 
 @dataclass
 class InlineRate:
-    """What inline tokenizing costs lately, in us per (weighted) character: BASE_US_PER_CHAR, or more
-    after a slow run (never-seen long words), decaying back with a half-life of
-    INLINE_RATE_HALF_LIFE_S. Such requests then go to the thread, and a client mixing them among
-    cheap ones holds the loop about once every INLINE_RATE_HALF_LIFE_S x log2(rate / base) seconds,
-    not once a request. Runs under MIN_OBSERVED_CHARS are not taken: their fixed cost (the arrays)
-    would read as a high rate per character."""
+    """What inline tokenizing costs lately, in us per (weighted) character: INLINE_BASE_US_PER_CHAR,
+    or more after a slow run (never-seen long words), decaying back with a half-life of
+    INLINE_RATE_HALF_LIFE_S. Such requests then go to the thread, and a client mixing them among cheap
+    ones holds the loop about once every half-life x log2(rate / base) seconds, not once a request."""
 
     peak: float = 0.0  # us per character of the last slow run, above the base
     observed_at: float = field(default_factory=time.monotonic)
-
-    BASE_US_PER_CHAR = 0.1  # about twice the Python path's rate on STS-B sentences (Zen 4)
-    MIN_OBSERVED_CHARS = 256
 
     def allows(self, cost: int) -> bool:
         return cost <= INLINE_TOKENIZE_CHARS and cost * self._rate(time.monotonic()) <= INLINE_BUDGET_US
 
     def observe(self, cost: int, seconds: float) -> None:
         now = time.monotonic()
-        if cost >= self.MIN_OBSERVED_CHARS and (rate := seconds * 1e6 / cost) > self._rate(now):
-            self.peak, self.observed_at = rate - self.BASE_US_PER_CHAR, now
+        if cost >= INLINE_MIN_OBSERVED_CHARS and (rate := seconds * 1e6 / cost) > self._rate(now):
+            self.peak, self.observed_at = rate - INLINE_BASE_US_PER_CHAR, now
 
     def _rate(self, now: float) -> float:
-        return self.BASE_US_PER_CHAR + self.peak * 0.5 ** ((now - self.observed_at) / INLINE_RATE_HALF_LIFE_S)
+        decay = 0.5 ** ((now - self.observed_at) / INLINE_RATE_HALF_LIFE_S)
+        return INLINE_BASE_US_PER_CHAR + self.peak * decay

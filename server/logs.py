@@ -121,18 +121,21 @@ class TextFormatter(logging.Formatter):
         return f"{head} [request_id={ids}]{sep}{message}"
 
 
+def line_object(ts: datetime, level: str, process: str | None, logger: str, message: str) -> dict[str, Any]:
+    """The keys every JSON line starts with, ours and the relayed ones alike."""
+    iso = ts.isoformat(timespec="milliseconds")
+    return {"ts": iso, "level": level, "process": process, "logger": logger, "message": message}
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts (UTC, ISO 8601), level, process, logger, message, request_id or
     request_ids when the line is about requests, exception (the traceback) when there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "process": record.processName,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        created = datetime.fromtimestamp(record.created, UTC)
+        line = line_object(
+            created, record.levelname, str(record.processName), record.name, record.getMessage()
+        )
         if many := getattr(record, "request_ids", None):
             line["request_ids"] = list(many)
         elif one := getattr(record, "request_id", ""):
@@ -187,13 +190,7 @@ def wrapped(block: list[str], read_at: datetime) -> str:
     """Lines that were not JSON as one JSON object, with the keys JsonFormatter writes. The writing
     process is unknown: every child shares the pipe."""
     level, logger = _native(block[0]) or ("ERROR", "stderr")  # a traceback, a fatal error
-    line = {
-        "ts": read_at.isoformat(timespec="milliseconds"),
-        "level": level,
-        "process": "unknown",
-        "logger": logger,
-        "message": "\n".join(block).rstrip(),
-    }
+    line = line_object(read_at, level, "unknown", logger, "\n".join(block).rstrip())
     return json.dumps(line, ensure_ascii=False)
 
 
