@@ -10,12 +10,18 @@
                               that could not be reached); the server drops inputs past it before compute
 
 The gRPC status is mapped in one place, `from_rpc_error`. Each class is still a `grpc.RpcError`
-with `code()` and `details()`, so code written against raw gRPC errors keeps working.
+with `code()` and `details()`, so code written against raw gRPC errors keeps working. What the
+server's google.rpc error details say is read there too: `reason` (a stable UPPER_SNAKE_CASE name
+to branch on: TOO_MANY_INPUTS, TEXT_TOO_LONG, QUEUE_FULL, ...), `error_metadata` (the limit's
+setting, the limit, the value, the input), `field` (the request field at fault) and `retry_after`
+(seconds the server asks a refused caller to wait).
 """
 
 from __future__ import annotations
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 
 class EmbeddingError(grpc.aio.AioRpcError):
@@ -24,6 +30,15 @@ class EmbeddingError(grpc.aio.AioRpcError):
     It subclasses grpc.aio.AioRpcError, the one concrete gRPC error class that carries a status, so
     that `except grpc.RpcError` and `except grpc.aio.AioRpcError` both still catch it.
     """
+
+    reason: str = ""  # google.rpc.ErrorInfo's reason; empty when the server sent none (gRPC's own errors)
+    error_metadata: dict[str, str]  # ErrorInfo's metadata, e.g. {"setting": ..., "limit": ..., "value": ...}
+    field: str = ""  # google.rpc.BadRequest's field at fault, e.g. "texts[3]"
+    retry_after: float | None = None  # google.rpc.RetryInfo's delay, in seconds
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.error_metadata = {}
 
 
 class Unavailable(EmbeddingError):
@@ -83,10 +98,35 @@ def from_rpc_error(error: grpc.RpcError) -> EmbeddingError:
         kind = TooLarge
     if code == grpc.StatusCode.UNAVAILABLE and _UNHEALTHY in details:
         details += UNHEALTHY_NOTE
-    return kind(
+    mapped = kind(
         code,
         grpc.aio.Metadata(*(error.initial_metadata() or ())),
         grpc.aio.Metadata(*(error.trailing_metadata() or ())),
         details,
         error.debug_error_string(),
     )
+    _read_details(mapped, error)
+    return mapped
+
+
+def _read_details(mapped: EmbeddingError, error: grpc.RpcError) -> None:
+    """The google.rpc error details of `error`'s trailer, where the server sent them."""
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:  # details whose code or message are not the call's: not this server's
+        return
+    if status is None:
+        return
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            mapped.reason, mapped.error_metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            mapped.field = bad.field_violations[0].field if bad.field_violations else ""
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            mapped.retry_after = retry.retry_delay.ToTimedelta().total_seconds()

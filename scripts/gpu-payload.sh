@@ -28,7 +28,7 @@ import importlib.metadata as md
 import re
 
 roots = (
-    "grpcio grpcio-health-checking grpcio-reflection protobuf pyzmq starlette uvicorn orjson "
+    "grpcio grpcio-health-checking grpcio-reflection grpcio-status protobuf pyzmq starlette uvicorn orjson "
     "prometheus-client tokenizers scipy sentence-transformers pytest pytest-timeout onnx"
 ).split()
 host = {"torch", "numpy", "triton", "setuptools", "onnxruntime"}

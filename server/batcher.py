@@ -59,10 +59,21 @@ class BatchLimits:
 def check_capacity(waiting: int, count: int, queue_limit: int) -> None:
     """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival)."""
     if count > queue_limit:
-        raise InvalidInput(f"{count} inputs can never fit the queue_limit of {queue_limit}")
+        raise InvalidInput(
+            f"{count} inputs can never fit the queue_limit of {queue_limit}",
+            "OVER_QUEUE_LIMIT",
+            setting="queue_limit",
+            limit=queue_limit,
+            value=count,
+        )
     if waiting + count > queue_limit:
         raise Overloaded(
-            f"queue full: {waiting} inputs waiting, queue_limit is {queue_limit}; retry with backoff"
+            f"queue full: {waiting} inputs waiting, queue_limit is {queue_limit}; retry with backoff",
+            "QUEUE_FULL",
+            setting="queue_limit",
+            limit=queue_limit,
+            value=waiting,
+            asked=count,
         )
 
 
@@ -367,7 +378,7 @@ class Batcher:
                     extra={"request_ids": _tags(batch)},
                 )
                 for request, _ in batch:
-                    self._fail(request, BackendFailure("internal batching error"))
+                    self._fail(request, BackendFailure("internal batching error", "INTERNAL_ERROR"))
 
     async def _wait_for_batch(self) -> None:
         """Until work is queued, then until a batch is full or the oldest input waited long enough.
@@ -508,7 +519,12 @@ class Batcher:
             if request.abandoned:
                 continue
             if check and not finite[start:end].all():
-                self._fail(request, BackendFailure("the model produced a non-finite vector for this input"))
+                self._fail(
+                    request,
+                    BackendFailure(
+                        "the model produced a non-finite vector for this input", "NON_FINITE_VECTOR"
+                    ),
+                )
                 continue
             request.spans.append(span)
             if request.fill(first, normalised[start:end], pooled[start:end], started):

@@ -28,12 +28,21 @@ class Budget:
         if amount > self.limit:
             raise InvalidInput(
                 f"{amount} {self.what} for one request can never fit {self.setting}={self.limit}; "
-                "split the request"
+                "split the request",
+                "OVER_FRONT_LIMIT",
+                setting=self.setting,
+                limit=self.limit,
+                value=amount,
             )
         if self.in_use + amount > self.limit:
             raise Overloaded(
                 f"front busy: {self.in_use} {self.what}, {amount} more asked, {self.setting} is "
-                f"{self.limit}; retry with backoff"
+                f"{self.limit}; retry with backoff",
+                "FRONT_BUSY",
+                setting=self.setting,
+                limit=self.limit,
+                value=self.in_use,
+                asked=amount,
             )
         self.in_use += amount
 

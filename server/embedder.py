@@ -122,8 +122,10 @@ class Embedder:
         started = time.perf_counter()
         self.readiness.check()
         if job.texts and job.token_ids:
-            raise InvalidInput("set either `texts` or `token_ids`, not both")
-        self.tokenizer.check_count(job.count)
+            raise InvalidInput(
+                "set either `texts` or `token_ids`, not both", "TEXTS_AND_TOKEN_IDS", "token_ids"
+            )
+        self.tokenizer.check_count(job.count, field="token_ids" if job.token_ids else "texts")
         self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)

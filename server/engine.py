@@ -231,7 +231,7 @@ class Engine:
         try:
             request = self.batcher.enqueue(Rows(message.lengths, message.ids), message.deadline, message.tag)
         except ServiceError as e:
-            self._channel.send([identity, *protocol.failure(message.request_id, e.code.value[0], str(e))])
+            self._channel.send([identity, *_failure(message.request_id, e)])
             return
         key = (identity, message.request_id)
         self._requests[key] = request
@@ -244,13 +244,21 @@ class Engine:
         request.future.add_done_callback(answer)
 
 
+def _failure(request_id: int, error: ServiceError) -> list[bytes]:
+    return protocol.failure(
+        request_id, error.code.value[0], str(error), error.reason, error.field, error.metadata
+    )
+
+
 def _answer(message: protocol.Submit, future: asyncio.Future[Done]) -> list[Any]:
     error = future.exception()
     if isinstance(error, ServiceError):
-        return protocol.failure(message.request_id, error.code.value[0], str(error))
+        return _failure(message.request_id, error)
     if error is not None:
         log.error("request failed in the engine", exc_info=error, extra={"request_id": message.tag})
-        return protocol.failure(message.request_id, INTERNAL, "internal error; see the server log")
+        return protocol.failure(
+            message.request_id, INTERNAL, "internal error; see the server log", "INTERNAL_ERROR"
+        )
     done = future.result()
     vectors = done.embeddings if message.normalize else done.pooled
     return protocol.result(message.request_id, int(done.queue_s * 1e6), int(done.inference_s * 1e6), vectors)

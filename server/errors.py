@@ -1,5 +1,10 @@
 """The service's errors. Each carries the gRPC status it maps to; service.py maps them in one place.
 
+Each also carries a `reason` (UPPER_SNAKE_CASE, stable: what a program branches on, where the message
+is for people), `metadata` (the limit's setting, the limit, the value, the input: strings) and, for
+an invalid request, the `field` at fault. gRPC sends them as google.rpc error details (service.py),
+HTTP as OpenAI's `code` and `param` (http.py).
+
 ServiceError
  +-- InvalidInput       INVALID_ARGUMENT    the request breaks a limit; message names it and the value
  |    +-- TooLarge       INVALID_ARGUMENT    an HTTP body over max_message_bytes (HTTP 413)
@@ -17,44 +22,70 @@ from __future__ import annotations
 
 import grpc
 
+# google.rpc.ErrorInfo's domain: the service whose reasons these are.
+ERROR_DOMAIN = "minilm-embed"
+# How long a refused caller is asked to wait before trying again: HTTP's Retry-After, gRPC's RetryInfo.
+RETRY_AFTER_S = 1
+
 
 class ServiceError(Exception):
     code = grpc.StatusCode.UNKNOWN
+    reason = "UNKNOWN"  # each class's default; a raise names a more precise one where it has one
+
+    def __init__(self, message: str, reason: str = "", field: str = "", **metadata: object) -> None:
+        """`field`: the request field at fault, as a path into the gRPC request (`texts[3]`);
+        `metadata`: lowerCamelCase keys (google.rpc.ErrorInfo's convention), values made strings."""
+        super().__init__(message)
+        if reason:
+            self.reason = reason
+        self.field = field
+        self.metadata = {key: str(value) for key, value in metadata.items()}
 
 
 class InvalidInput(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_REQUEST"
 
 
 class TooLarge(InvalidInput):
     """An HTTP request body over the size limit: the client's error, like any invalid input, but HTTP
     has a status of its own for it (413). gRPC refuses an oversize message itself."""
 
+    reason = "BODY_TOO_LARGE"
+
 
 class SlowBody(InvalidInput):
     """An HTTP request body still arriving after http_body_timeout_s: its bytes were held against the
     front's budgets, so a stalled upload is ended (HTTP 408)."""
 
+    reason = "BODY_TIMEOUT"
+
 
 class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
 
 
 class Overloaded(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "OVERLOADED"
 
 
 class NotReady(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "NOT_SERVING"
 
 
 class Dropped(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_PASSED_IN_QUEUE"
 
 
 class ClientGone(ServiceError):
     code = grpc.StatusCode.CANCELLED
+    reason = "CLIENT_GONE"
 
 
 class BackendFailure(ServiceError):
     code = grpc.StatusCode.INTERNAL
+    reason = "MODEL_RUN_FAILED"

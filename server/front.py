@@ -271,7 +271,7 @@ def create_front(
 
 async def start(front: Front) -> protocol.EngineFacts:
     """Listen at once (health answers NOT_SERVING), wait for the engine to be warm, then serve."""
-    await front.readiness.not_serving("the model is warming up")
+    await front.readiness.not_serving("the model is warming up", "WARMING_UP")
     await front.server.start()
     if front.http is not None:
         front.http.start()
@@ -314,7 +314,7 @@ async def drain(front: Front, index: int, reason: str = "the server is shutting 
     # call got a bare 500 and a 40-line traceback in the log.
     def cut_off() -> None:
         reason = f"the server shut down before this call finished (its drain timeout, {timeout:g} s, passed)"
-        if waiting := front.engine.engine_gone(reason):
+        if waiting := front.engine.engine_gone(reason, "SHUTTING_DOWN"):
             log.warning(
                 "front %d: %d calls still waiting for the engine at the drain timeout (%gs) were answered "
                 "UNAVAILABLE",

@@ -44,6 +44,7 @@ from minilm_embed.server.budget import Hold
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
 from minilm_embed.server.errors import (
+    RETRY_AFTER_S,
     BackendFailure,
     ClientGone,
     Dropped,
@@ -61,7 +62,8 @@ from minilm_embed.server.security import bearer_matches
 log = logging.getLogger(__name__)
 
 # The one place where errors become HTTP statuses and OpenAI error types, most specific class first
-# (TooLarge is an InvalidInput). gRPC's code, lower-cased, is the error's `code`.
+# (TooLarge is an InvalidInput). The error's reason (server/errors.py), lower-cased, is its `code`
+# (`too_many_inputs`, `queue_full`), as OpenAI's codes name the case (`model_not_found`).
 STATUS: dict[type[ServiceError], tuple[int, str]] = {
     TooLarge: (413, "invalid_request_error"),
     SlowBody: (408, "invalid_request_error"),
@@ -98,8 +100,9 @@ KINDS = {
 class InvalidField(InvalidInput):
     """An invalid request field, which OpenAI's error names in `param`."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, param: str, message: str, reason: str = "", **metadata: object) -> None:
+        super().__init__(message, reason)
+        self.metadata = {key: str(value) for key, value in metadata.items()}
         self.param = param
 
 
@@ -148,7 +151,6 @@ def status_of(error: ServiceError) -> tuple[int, str]:
 
 # Headers a refusal carries: when to try again (a full queue, a replica warming up or draining), and
 # how to authenticate (RFC 6750).
-RETRY_AFTER_S = 1
 HEADERS: dict[int, dict[str, str]] = {
     401: {"WWW-Authenticate": "Bearer"},
     429: {"Retry-After": str(RETRY_AFTER_S)},
@@ -159,7 +161,7 @@ HEADERS: dict[int, dict[str, str]] = {
 def error_response(error: ServiceError) -> Response:
     status, kind = status_of(error)
     param = error.param if isinstance(error, InvalidField) else None
-    body = {"message": str(error), "type": kind, "param": param, "code": error.code.name.lower()}
+    body = {"message": str(error), "type": kind, "param": param, "code": error.reason.lower()}
     response = json_response({"error": body}, status)
     response.headers.update(HEADERS.get(status, {}))
     return response
@@ -208,7 +210,7 @@ class HttpApi:
                 try:
                     embedded = await embed_while_connected(self.embedder, job, request, held)
                 except InvalidInput as e:  # a limit an input broke: OpenAI names the field
-                    raise InvalidField("input", str(e)) from None
+                    raise InvalidField("input", str(e), e.reason, **e.metadata) from None
             return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
 
         return await self._serve(HTTP_EMBEDDINGS, EMBEDDINGS_ROUTE, request, embed, inputs)
@@ -360,7 +362,8 @@ def check_encoding(encoding: str) -> None:
     if encoding.strip().lower() != "identity":
         raise InvalidInput(
             f"the request body has Content-Encoding: {cut(encoding)}, which this server does not decode; "
-            "send it uncompressed"
+            "send it uncompressed",
+            "UNSUPPORTED_CONTENT_ENCODING",
         )
 
 
@@ -369,11 +372,17 @@ def parse_embeddings(body: bytes, card: ModelCard, most: int) -> EmbeddingsReque
     try:
         fields = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"the request body is not valid JSON: {_json_error(body, e)}") from None
+        raise InvalidInput(
+            f"the request body is not valid JSON: {_json_error(body, e)}", "MALFORMED_REQUEST"
+        ) from None
     if not isinstance(fields, dict):
-        raise InvalidInput(f"the request body must be a JSON object, not {_kind(fields)}")
+        raise InvalidInput(
+            f"the request body must be a JSON object, not {_kind(fields)}", "MALFORMED_REQUEST"
+        )
     if "input" not in fields:
-        raise InvalidField("input", "`input` is required: a string, a list of strings, or token ids")
+        raise InvalidField(
+            "input", "`input` is required: a string, a list of strings, or token ids", "NO_INPUTS"
+        )
     if not isinstance(fields.get("model", ""), str):
         raise InvalidField("model", f"`model` must be a string, not {_kind(fields['model'])}")
     check_dimensions(fields.get("dimensions"), card)
@@ -400,12 +409,16 @@ def parse_input(value: object, most: int) -> tuple[list[str], list[list[int]]]:
     if not isinstance(value, list):
         raise InvalidField("input", f"`input` must be a string or a list, not {_kind(value)}")
     if not value:
-        raise InvalidField("input", "`input` is an empty list: send at least one input")
+        raise InvalidField("input", "`input` is an empty list: send at least one input", "NO_INPUTS")
     if len(value) > most and not isinstance(value[0], int | float):  # a list of token ids is one input
         raise InvalidField(
             "input",
             f"{len(value)} inputs in one request, over the limit max_inputs_per_request={most}; "
             "split the request",
+            "TOO_MANY_INPUTS",
+            setting="max_inputs_per_request",
+            limit=most,
+            value=len(value),
         )
     if all(isinstance(v, str) for v in value):
         return value, []
@@ -438,10 +451,21 @@ def _token_ids(row: list[Any], i: int) -> list[int]:
     for j, t in enumerate(row):
         if type(t) is not int:
             raise InvalidField(
-                "input", f"input {i}: token id at position {j} is {_kind(t)} {shown(t)}, not an integer"
+                "input",
+                f"input {i}: token id at position {j} is {_kind(t)} {shown(t)}, not an integer",
+                "TOKEN_ID_NOT_AN_INTEGER",
+                input=i,
+                position=j,
             )
         if not -_INT64 <= t < _INT64:
-            raise InvalidField("input", f"input {i}: token id {t} at position {j} is outside the vocabulary")
+            raise InvalidField(
+                "input",
+                f"input {i}: token id {t} at position {j} is outside the vocabulary",
+                "TOKEN_ID_OUT_OF_RANGE",
+                input=i,
+                position=j,
+                value=t,
+            )
     return row
 
 
@@ -456,6 +480,9 @@ def check_dimensions(value: object, card: ModelCard) -> None:
         "dimensions",
         f"`dimensions` is {shown(value)}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
         f"send {card.dimensions} or leave it out",
+        "UNSUPPORTED_DIMENSIONS",
+        value=value,
+        dimensions=card.dimensions,
     )
 
 
@@ -473,7 +500,11 @@ def parse_format(value: object) -> bool:
     """Whether the vectors go back base64-encoded (little-endian float32), not as lists of floats."""
     if value is None or value in FORMATS:
         return value == "base64"
-    raise InvalidField("encoding_format", f"`encoding_format` is {shown(value)}; it must be float or base64")
+    raise InvalidField(
+        "encoding_format",
+        f"`encoding_format` is {shown(value)}; it must be float or base64",
+        "UNKNOWN_FORMAT",
+    )
 
 
 def _kind(value: object) -> str:

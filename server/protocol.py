@@ -8,7 +8,8 @@ byte is the kind; arrays follow as raw little-endian frames (no per-input object
     front -> engine  CANCEL   header(request id)                      drop its inputs before compute
     engine -> front  READY    header, JSON of the engine's facts (provider, precision, instances...)
     engine -> front  RESULT   header(request id, status, queue us, inference us), vectors float32 (n, D)
-                              or, for a status other than OK, the error message in UTF-8
+                              or, for a status other than OK, the error message in UTF-8 and JSON of
+                              the error's reason, field and metadata (server/errors.py)
 
 The engine's ROUTER socket adds the front's identity in front of these frames; fronts use DEALER
 sockets. Deadlines are `time.monotonic()` values: CLOCK_MONOTONIC is one clock for every process on
@@ -82,6 +83,9 @@ class Result:
     inference_us: int
     vectors: np.ndarray | None  # (n, D) float32 when status is OK
     message: str = ""
+    reason: str = ""
+    field: str = ""
+    metadata: dict[str, str] | None = None
 
 
 def kind(frames: list[bytes]) -> bytes:
@@ -141,15 +145,27 @@ def result(request_id: int, queue_us: int, inference_us: int, vectors: np.ndarra
     return [_RESULT.pack(RESULT, request_id, OK, queue_us, inference_us), vectors]
 
 
-def failure(request_id: int, status: int, message: str) -> list[bytes]:
+def failure(
+    request_id: int,
+    status: int,
+    message: str,
+    reason: str,
+    field: str = "",
+    metadata: dict[str, str] | None = None,
+) -> list[bytes]:
     assert status != OK
-    return [_RESULT.pack(RESULT, request_id, status, 0, 0), message.encode()]
+    about = json.dumps({"reason": reason, "field": field, "metadata": metadata or {}})
+    return [_RESULT.pack(RESULT, request_id, status, 0, 0), message.encode(), about.encode()]
 
 
 def parse_result(frames: list[bytes], dimensions: int) -> Result:
     _, request_id, status, queue_us, inference_us = _RESULT.unpack(frames[0])
     if status != OK:
-        return Result(request_id, status, 0, 0, None, bytes(frames[1]).decode())
+        about = json.loads(frames[2])
+        message = bytes(frames[1]).decode()
+        return Result(
+            request_id, status, 0, 0, None, message, about["reason"], about["field"], about["metadata"]
+        )
     vectors = np.frombuffer(frames[1], dtype=np.float32).reshape(-1, dimensions)
     return Result(request_id, status, queue_us, inference_us, vectors)
 

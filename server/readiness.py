@@ -18,18 +18,19 @@ class Readiness:
         self.metrics = metrics
         self.ready = False
         self.reason = "the model is warming up"
+        self.code = "WARMING_UP"  # the reason as an error reason (server/errors.py)
 
     def check(self) -> None:
         if not self.ready:
-            raise NotReady(f"not serving: {self.reason}; retry")
+            raise NotReady(f"not serving: {self.reason}; retry", self.code)
 
     async def serving(self) -> None:
         self.ready = True
         self.metrics.ready.set(1)
         await set_serving(self.health, True)
 
-    async def not_serving(self, reason: str) -> None:
+    async def not_serving(self, reason: str, code: str = "SHUTTING_DOWN") -> None:
         self.ready = False
-        self.reason = reason
+        self.reason, self.code = reason, code
         self.metrics.ready.set(0)
         await set_serving(self.health, False)

@@ -19,6 +19,8 @@ import grpc
 from minilm_embed.proto.embedding.v1 import BEARER_TOKEN, SERVICE_NAME
 from minilm_embed.server import logs
 from minilm_embed.server.config import ConfigError, setting
+from minilm_embed.server.details import details
+from minilm_embed.server.errors import Unauthenticated
 from minilm_embed.server.metrics import Metrics
 
 PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
@@ -141,12 +143,12 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
 
 def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    message = "missing or invalid bearer token (send metadata `authorization: Bearer <token>`)"
+    error = Unauthenticated("missing or invalid bearer token (send metadata `authorization: Bearer <token>`)")
 
     async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
         request_id, _ = logs.request_id_from(logs.given_request_id(context.invocation_metadata()))
-        trailing = ((logs.REQUEST_ID_HEADER, request_id),)  # as on the service's own refusals
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing)
+        trailing = ((logs.REQUEST_ID_HEADER, request_id), *details(error))  # as the service's refusals
+        await context.abort(error.code, str(error), trailing)
 
     # The handler's own kind: refused before its request is read, as the service refuses past its
     # calls (a unary method is served as stream-unary there).

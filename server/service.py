@@ -1,9 +1,13 @@
 """The gRPC servicer, kept thin: protobuf -> EmbedJob -> Embedder (embedder.py) -> protobuf.
 
 Errors are mapped to gRPC status codes in one place (`_serve`): a `ServiceError` carries its code and
-a message that names the limit and the value. Every call gets a request id (its `x-request-id`
-metadata, or a new one): log lines about the call carry it, and the caller gets it back in the
-trailing metadata whatever the outcome.
+a message that names the limit and the value, and goes out with google.rpc error details in the
+`grpc-status-details-bin` trailer (`details`: an ErrorInfo with the error's reason and metadata
+always, a BadRequest naming the field for an invalid request, a RetryInfo where retrying later helps),
+as Google's APIs send them (AIP-193), so a program can branch on the reason and read the limit.
+
+Every call gets a request id (its `x-request-id` metadata, or a new one): log lines about the call
+carry it, and the caller gets it back in the trailing metadata whatever the outcome.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold, Places
+from minilm_embed.server.details import INTERNAL_MESSAGE, Trailing, details, internal
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
-from minilm_embed.server.errors import InvalidInput, NotReady, ServiceError
+from minilm_embed.server.errors import InvalidInput, NotReady, Overloaded, ServiceError
 from minilm_embed.server.metrics import Metrics, size_class
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Trailing = tuple[tuple[str, str], ...]
 # A cancel this close to the call's deadline is the caller's deadline passing (see _cancelled_code).
 DEADLINE_SLACK_S = 0.1
 REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
@@ -44,7 +48,9 @@ def parse(message: type[M], data: bytes) -> M:
     try:
         return message.FromString(data)
     except DecodeError as e:
-        raise InvalidInput(f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}") from None
+        raise InvalidInput(
+            f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}", "MALFORMED_REQUEST"
+        ) from None
 
 
 class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
@@ -86,7 +92,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     async def Info(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async def info(request: pb.InfoRequest, held: Hold) -> pb.InfoResponse:
             if self.info is None:  # not an empty answer: a caller would read dimensions 0
-                raise NotReady("not serving: the model is warming up; retry")
+                raise NotReady("not serving: the model is warming up; retry", "WARMING_UP")
             return self.info
 
         return await self._serve("Info", data, pb.InfoRequest, context, info)
@@ -96,13 +102,13 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
     ) -> AsyncIterator[pb.EmbedStreamResponse]:
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        code, details = grpc.StatusCode.OK, ""
+        code, message = grpc.StatusCode.OK, ""
         trailing = self._request_id(context)
         try:
             async for response in self._stream(request_iterator, _deadline(context)):
                 yield response
         except ServiceError as e:  # the stream's own end (end_streams): aborted below, as _serve does
-            code, details = e.code, str(e)
+            code, message, trailing = e.code, str(e), trailing + details(e)
         except (asyncio.CancelledError, GeneratorExit):  # grpc.aio closes the generator, or cancels it
             code = _cancelled_code(context)
             raise
@@ -113,7 +119,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         finally:
             self._record("EmbedStream", code, started)
         if code != grpc.StatusCode.OK:
-            await context.abort(code, details, trailing)
+            await context.abort(code, message, trailing)
 
     async def take_place(self, method: str, context: grpc.aio.ServicerContext) -> None:
         """A place among the calls being served, at once or in turn; RESOURCE_EXHAUSTED at once when
@@ -129,18 +135,24 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.metrics.refusals.labels("calls").inc()
         self._record(method, grpc.StatusCode.RESOURCE_EXHAUSTED, started)
         trailing = self._request_id(context)
-        message = (
+        error = Overloaded(
             f"front busy: {places.taken} calls being served and {places.waiting} waiting, "
             f"max_concurrent_calls is {places.limit} and max_waiting_calls {places.waiting_limit}; "
-            "retry with backoff"
+            "retry with backoff",
+            "FRONT_BUSY",
+            setting="max_concurrent_calls",
+            limit=places.limit,
+            value=places.taken,
+            waiting=places.waiting,
+            waitingLimit=places.waiting_limit,
         )
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message, trailing)
+        await context.abort(error.code, str(error), trailing + details(error))
 
     async def _serve(
         self,
         method: str,
         data: bytes,
-        message: type[M],
+        message_type: type[M],
         context: grpc.aio.ServicerContext,
         handler: Callable[[M, Hold], Awaitable[T]],
     ) -> T:
@@ -153,24 +165,28 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         """
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        code, details, inputs = grpc.StatusCode.OK, "", 0
+        code, message, inputs = grpc.StatusCode.OK, "", 0
         trailing = self._request_id(context)
         try:
             with self.embedder.receiving(len(data)) as held:
-                request = parse(message, data)
+                request = parse(message_type, data)
                 inputs = _inputs(request)
                 return await handler(request, held)
-        except ServiceError as e:
-            code, details = e.code, str(e)
+        except ServiceError as e:  # what the abort needs, not `e` (its traceback holds the request)
+            code, message, trailing = e.code, str(e), trailing + details(e)
         except asyncio.CancelledError:
             code = _cancelled_code(context)
             raise
         except Exception:
             log.exception("%s failed", method)
-            code, details = grpc.StatusCode.INTERNAL, "internal error; see the server log"
+            code, message, trailing = (
+                grpc.StatusCode.INTERNAL,
+                INTERNAL_MESSAGE,
+                trailing + details(internal()),
+            )
         finally:
             self._record(method, code, started, inputs)
-        await context.abort(code, details, trailing)
+        await context.abort(code, message, trailing)
         raise AssertionError("unreachable: abort raises")
 
     def _request_id(self, context: grpc.aio.ServicerContext) -> Trailing:
@@ -205,7 +221,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         fmt = _format(request.format)
         # Before a Python object is made per input: 600k one-character texts cost a front ~3x its
         # idle memory and a second of its event loop when counted only after list() (16 callers).
-        self.embedder.tokenizer.check_count(_inputs(request))
+        self.embedder.tokenizer.check_count(_inputs(request), field=_inputs_field(request))
         job = EmbedJob(
             texts=list(request.texts),  # one list: each read of a protobuf string decodes it again
             token_ids=[t.ids for t in request.token_ids],
@@ -234,7 +250,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         if (size := response.ByteSize()) > self.max_message_bytes:  # gRPC would fail it, unexplained
             raise InvalidInput(
                 f"the answer would be {size} bytes, over the limit max_message_bytes="
-                f"{self.max_message_bytes}: send fewer or shorter texts, or truncate=true"
+                f"{self.max_message_bytes}: send fewer or shorter texts, or truncate=true",
+                "ANSWER_TOO_LARGE",
+                "texts",
+                setting="max_message_bytes",
+                limit=self.max_message_bytes,
+                value=size,
             )
         return response
 
@@ -256,12 +277,10 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                 response = await self._embed(item.request, deadline, held)
                 await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
             except ServiceError as e:
-                await answers.put(_stream_error(item_id, e.code, str(e)))
+                await answers.put(_stream_error(item_id, e))
             except Exception:  # every item gets an answer, even after a bug
                 log.exception("EmbedStream item failed")
-                await answers.put(
-                    _stream_error(item_id, grpc.StatusCode.INTERNAL, "internal error; see the server log")
-                )
+                await answers.put(_stream_error(item_id, internal()))
 
         def start(data: bytes, held: Hold) -> None:
             task = asyncio.create_task(answer(data, held))
@@ -306,7 +325,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                 yield response  # returns once gRPC has taken it (flow control)
                 slots.release()
             if await reader:  # re-raises a failure of the reader
-                raise NotReady(STREAM_ENDED)
+                raise NotReady(STREAM_ENDED, "SHUTTING_DOWN")
         finally:
             reader.cancel()
             for task in list(tasks):
@@ -368,6 +387,10 @@ def _counted_stream(
     return call
 
 
+def _inputs_field(request: pb.EmbedRequest) -> str:
+    return "token_ids" if request.token_ids else "texts"
+
+
 def _inputs(request: object) -> int:
     if isinstance(request, pb.EmbedRequest):
         return len(request.texts) or len(request.token_ids)
@@ -380,11 +403,24 @@ def _format(value: int) -> int:
     if value in pb.EmbeddingFormat.values():
         return value
     *others, last = (f"{name} ({number})" for name, number in pb.EmbeddingFormat.items())
-    raise InvalidInput(f"format is {value}, not an EmbeddingFormat: send {', '.join(others)} or {last}")
+    raise InvalidInput(
+        f"format is {value}, not an EmbeddingFormat: send {', '.join(others)} or {last}",
+        "UNKNOWN_FORMAT",
+        "format",
+        value=value,
+    )
 
 
-def _stream_error(item_id: str, code: grpc.StatusCode, message: str) -> pb.EmbedStreamResponse:
-    return pb.EmbedStreamResponse(id=item_id, error=pb.Error(code=code.value[0], message=message))
+def _stream_error(item_id: str, error: ServiceError) -> pb.EmbedStreamResponse:
+    """An item's error: what Embed's status and its ErrorInfo and BadRequest details would say."""
+    item = pb.Error(
+        code=error.code.value[0],
+        message=str(error),
+        reason=error.reason,
+        metadata=error.metadata,
+        field=error.field,
+    )
+    return pb.EmbedStreamResponse(id=item_id, error=item)
 
 
 def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

@@ -57,14 +57,25 @@ class RequestTokenizer:
             (start, end), token = self.frame, tokenizer.token
             self.frame_text = f"{token(start)} ({start}) and end with {token(end)} ({end})"
 
-    def check_count(self, count: int, wanted: str = "`texts` or `token_ids` with at least one input") -> None:
-        """`wanted`: what an empty request is told to set (Tokenize has no `token_ids`)."""
+    def check_count(
+        self,
+        count: int,
+        wanted: str = "`texts` or `token_ids` with at least one input",
+        field: str = "texts",
+    ) -> None:
+        """`wanted`: what an empty request is told to set (Tokenize has no `token_ids`); `field`: the
+        request field holding the inputs."""
         if count == 0:
-            raise InvalidInput(f"no inputs: set {wanted}")
-        if count > self.limits.max_inputs_per_request:
+            raise InvalidInput(f"no inputs: set {wanted}", "NO_INPUTS", field)
+        if count > (limit := self.limits.max_inputs_per_request):
             raise InvalidInput(
-                f"{count} inputs in one request, over the limit max_inputs_per_request="
-                f"{self.limits.max_inputs_per_request}; split the request"
+                f"{count} inputs in one request, over the limit max_inputs_per_request={limit}; "
+                "split the request",
+                "TOO_MANY_INPUTS",
+                field,
+                setting="max_inputs_per_request",
+                limit=limit,
+                value=count,
             )
 
     def check_texts(self, texts: Sequence[str]) -> None:
@@ -73,11 +84,16 @@ class RequestTokenizer:
         self.check_count(len(texts))
         for i, text in enumerate(texts):
             if not text:
-                raise InvalidInput(f"input {i} is an empty string")
-            if len(text) > self.limits.max_text_chars:
+                raise InvalidInput(f"input {i} is an empty string", "EMPTY_INPUT", f"texts[{i}]", input=i)
+            if len(text) > (limit := self.limits.max_text_chars):
                 raise InvalidInput(
-                    f"input {i} has {len(text)} characters, over the limit max_text_chars="
-                    f"{self.limits.max_text_chars}"
+                    f"input {i} has {len(text)} characters, over the limit max_text_chars={limit}",
+                    "TEXT_TOO_LONG",
+                    f"texts[{i}]",
+                    input=i,
+                    setting="max_text_chars",
+                    limit=limit,
+                    value=len(text),
                 )
 
     def from_texts(self, texts: Sequence[str], truncate: bool) -> Prepared:
@@ -91,7 +107,7 @@ class RequestTokenizer:
             np.array(encoded.lower_bound, dtype=bool),
         )
         if not truncate:
-            self._refuse_long(prepared)
+            self._refuse_long(prepared, "texts[{}]")
         return prepared
 
     def from_texts_whole(self, texts: Sequence[str], truncate: bool = False) -> Prepared:
@@ -102,19 +118,27 @@ class RequestTokenizer:
         return Prepared(lengths, _flatten(rows, lengths), exact, lengths.astype(np.int64), exact)
 
     def from_ids(self, sequences: Sequence[Sequence[int]], truncate: bool) -> Prepared:
-        self.check_count(len(sequences))
+        self.check_count(len(sequences), field="token_ids")
         limit = self.limits.max_input_tokens
         rows = []
         for i, ids in enumerate(sequences):
             if not ids:
-                raise InvalidInput(f"input {i} is an empty token-id sequence")
+                raise InvalidInput(
+                    f"input {i} is an empty token-id sequence", "EMPTY_INPUT", f"token_ids[{i}].ids", input=i
+                )
             row = np.asarray(ids, dtype=np.int64)
             bad = np.flatnonzero((row < 0) | (row >= self.vocab_size))
             if bad.size:
                 j = int(bad[0])
                 raise InvalidInput(
                     f"input {i}: token id {ids[j]} at position {j} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
+                    f"[0, {self.vocab_size})",
+                    "TOKEN_ID_OUT_OF_RANGE",
+                    f"token_ids[{i}].ids[{j}]",
+                    input=i,
+                    position=j,
+                    value=ids[j],
+                    vocabularySize=self.vocab_size,
                 )
             self._check_frame(row, i)
             rows.append(self._cut(row, limit))
@@ -123,7 +147,7 @@ class RequestTokenizer:
         exact = np.zeros(len(sequences), dtype=bool)
         prepared = Prepared(lengths, np.concatenate(rows).astype(np.int32), original > limit, original, exact)
         if not truncate:
-            self._refuse_long(prepared)
+            self._refuse_long(prepared, "token_ids[{}].ids")
         return prepared
 
     def _check_frame(self, row: np.ndarray, i: int) -> None:
@@ -137,7 +161,14 @@ class RequestTokenizer:
         raise InvalidInput(
             f"input {i}: token ids must start with {self.frame_text}, as Tokenize returns them; these "
             f"start with {row[0]} and end with {row[-1]}. Ids of another tokenizer give wrong vectors: "
-            "send texts (for LangChain's OpenAIEmbeddings, check_embedding_ctx_length=False)"
+            "send texts (for LangChain's OpenAIEmbeddings, check_embedding_ctx_length=False)",
+            "TOKEN_IDS_NOT_FRAMED",
+            f"token_ids[{i}].ids",
+            input=i,
+            firstId=row[0],
+            lastId=row[-1],
+            expectedFirstId=self.frame[0],
+            expectedLastId=self.frame[1],
         )
 
     def _cut(self, row: np.ndarray, limit: int) -> np.ndarray:
@@ -146,12 +177,20 @@ class RequestTokenizer:
             return row[:limit]
         return np.concatenate([row[: limit - 1], row[-1:]])
 
-    def _refuse_long(self, prepared: Prepared) -> None:
+    def _refuse_long(self, prepared: Prepared, field: str) -> None:
+        """`field`: the inputs' field path, `{}` for the index."""
         for i in np.flatnonzero(prepared.truncated)[:1]:
             at_least = "at least " if prepared.lower_bound[i] else ""
             raise InvalidInput(
                 f"input {i} has {at_least}{prepared.original[i]} tokens, over the limit max_input_tokens="
-                f"{self.limits.max_input_tokens}; send truncate=true to cut it"
+                f"{self.limits.max_input_tokens}; send truncate=true to cut it",
+                "TOO_MANY_TOKENS",
+                field.format(i),
+                input=i,
+                setting="max_input_tokens",
+                limit=self.limits.max_input_tokens,
+                value=prepared.original[i],
+                valueIsLowerBound=str(bool(prepared.lower_bound[i])).lower(),
             )
 
 

@@ -36,14 +36,14 @@ class Answer:
     received: float
 
 
-def error_for(status: int, message: str) -> ServiceError:
-    """The ServiceError a RESULT's gRPC status number stands for (its code, its message)."""
-    cls = _ERRORS.get(status)
-    if cls is None:
-        error = ServiceError(message)
-        error.code = next(c for c in grpc.StatusCode if c.value[0] == status)
-        return error
-    return cls(message)
+def error_for(result: protocol.Result) -> ServiceError:
+    """The ServiceError a failed RESULT stands for: its gRPC status number's class, its message,
+    reason, field and metadata."""
+    cls = _ERRORS.get(result.status, ServiceError)
+    error = cls(result.message, result.reason, result.field, **(result.metadata or {}))
+    if cls is ServiceError:
+        error.code = next(c for c in grpc.StatusCode if c.value[0] == result.status)
+    return error
 
 
 @dataclass
@@ -55,6 +55,7 @@ class EngineClient:
     depth: Any  # shared value: the engine's queue depth, read for admission before tokenizing
     metrics: Any
     gone: str = ""  # why the engine can no longer answer, once it cannot
+    gone_reason: str = ""  # the same as an error reason (server/errors.py)
     _pending: dict[int, asyncio.Future[protocol.Result]] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _ready: asyncio.Future[protocol.EngineFacts] | None = None
@@ -84,7 +85,7 @@ class EngineClient:
         self, lengths: np.ndarray, ids: np.ndarray, deadline: float | None, normalize: bool, tag: str = ""
     ) -> Answer:
         if self.gone:
-            raise NotReady(self.gone)
+            raise NotReady(self.gone, self.gone_reason)
         request_id = next(self._ids)
         future: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
@@ -100,7 +101,7 @@ class EngineClient:
         finally:
             self._pending.pop(request_id, None)
         if result.status != protocol.OK:
-            raise error_for(result.status, result.message)
+            raise error_for(result)
         assert result.vectors is not None
         return Answer(result.vectors, result.queue_us, result.inference_us, sent, received)
 
@@ -109,14 +110,15 @@ class EngineClient:
         self._channel.close()
         self._context.term()
 
-    def engine_gone(self, reason: str) -> int:
-        """Every waiting call and every later one gets UNAVAILABLE naming the reason; how many waited."""
-        self.gone = reason
+    def engine_gone(self, why: str, reason: str = "ENGINE_STOPPED") -> int:
+        """Every waiting call and every later one gets UNAVAILABLE saying why (`reason`: the same as
+        an error reason); how many waited."""
+        self.gone, self.gone_reason = why, reason
         waiting = [future for future in self._pending.values() if not future.done()]
         for future in waiting:
-            future.set_exception(NotReady(reason))
+            future.set_exception(NotReady(why, reason))
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(NotReady(reason))
+            self._ready.set_exception(NotReady(why, reason))
         return len(waiting)
 
     def _receive(self, frames: list[bytes]) -> None:

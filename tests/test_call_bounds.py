@@ -23,7 +23,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.budget import Places
 from tests.server_process import ServerProcess, flags, serving
-from tests.test_server import metric
+from tests.test_server import error_details, metric
 
 CALLS = 2
 WAITING = 1
@@ -103,6 +103,16 @@ def test_a_call_past_the_places_waits_one_past_the_waiting_is_refused_named_and_
         assert named in str(refused.details()), refused.details()
         assert f"max_waiting_calls {WAITING}" in str(refused.details())
         assert dict(refused.trailing_metadata() or ()).get("x-request-id")
+        found = error_details(refused)
+        assert found["ErrorInfo"].reason == "FRONT_BUSY", found
+        assert dict(found["ErrorInfo"].metadata) == {
+            "setting": "max_concurrent_calls",
+            "limit": str(CALLS),
+            "value": str(CALLS),
+            "waiting": str(WAITING),
+            "waitingLimit": str(WAITING),
+        }
+        assert found["RetryInfo"].retry_delay.seconds == 1
         assert server.health() == health_pb2.HealthCheckResponse.SERVING  # not an embedding call
         assert metric(server, "embed_requests_refused_total", reason="calls") == refused_before + 1
         assert metric(server, "embed_requests_refused_total", reason="request_bytes") == 0

@@ -50,6 +50,8 @@ def test_each_status_maps_to_its_exception_keeping_code_details_and_metadata(cod
     assert type(error) is kind
     assert isinstance(error, grpc.RpcError) and isinstance(error, EmbeddingError)
     assert (error.code(), error.details(), error.trailing_metadata()["k"]) == (code, "why", "v")
+    # No google.rpc details (gRPC's own errors): nothing made up.
+    assert (error.reason, error.field, error.error_metadata, error.retry_after) == ("", "", {}, None)
 
 
 def test_sync_client_raises_invalid_input_naming_the_input(server):
@@ -57,6 +59,13 @@ def test_sync_client_raises_invalid_input_naming_the_input(server):
         c.embed(["fine", ""])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "input 1 is an empty string"
+    # The server's google.rpc details, read for the caller.
+    assert (e.value.reason, e.value.field, e.value.error_metadata) == (
+        "EMPTY_INPUT",
+        "texts[1]",
+        {"input": "1"},
+    )
+    assert e.value.retry_after is None
 
 
 def test_async_client_raises_invalid_input_naming_the_input(server):
@@ -64,8 +73,10 @@ def test_async_client_raises_invalid_input_naming_the_input(server):
         async with AsyncEmbeddingClient(server.address, timeout=30) as c:
             await c.embed_ids([[101, 10**9]])
 
-    with pytest.raises(InvalidInput, match="token id 1000000000 at position 1"):
+    with pytest.raises(InvalidInput, match="token id 1000000000 at position 1") as e:
         asyncio.run(call())
+    assert (e.value.reason, e.value.field) == ("TOKEN_ID_OUT_OF_RANGE", "token_ids[0].ids[1]")
+    assert e.value.error_metadata["value"] == "1000000000"
 
 
 def test_a_deadline_too_short_for_the_call_raises_deadline_exceeded(server):

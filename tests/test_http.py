@@ -212,60 +212,130 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
 
 
 @pytest.mark.parametrize(
-    ("body", "param", "named"),
+    ("body", "param", "code", "named"),
     [
-        ({"input": ["a"] * (MAX_INPUTS + 1)}, "input", ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"]),
-        ({"input": []}, "input", ["empty list"]),
-        ({"input": [""]}, "input", ["input 0 is an empty string"]),
-        ({"input": ["a", 7]}, "input", ["mixes kinds of items: input 0 is a string, input 1 is an integer"]),
+        (
+            {"input": ["a"] * (MAX_INPUTS + 1)},
+            "input",
+            "too_many_inputs",
+            ["65 inputs", f"max_inputs_per_request={MAX_INPUTS}"],
+        ),
+        ({"input": []}, "input", "no_inputs", ["empty list"]),
+        ({"input": [""]}, "input", "empty_input", ["input 0 is an empty string"]),
+        (
+            {"input": ["a", 7]},
+            "input",
+            "invalid_request",
+            ["mixes kinds of items: input 0 is a string, input 1 is an integer"],
+        ),
         (
             {"input": ["a", "b", None]},
             "input",
+            "invalid_request",
             ["mixes kinds of items: input 0 is a string, input 2 is null"],
         ),
-        ({"input": [101, 1.0, [102]]}, "input", ["input 0 is an integer, input 2 is a list"]),
-        ({"input": [None]}, "input", ["input 0 is null; send a list of strings"]),
-        ({"input": [[101, "x"]]}, "input", ["input 0", "position 1 is a string 'x', not an integer"]),
-        ({"input": [101, 1.0]}, "input", ["input 0", "position 1 is a number 1.0, not an integer"]),
-        ({"input": [[101], [True]]}, "input", ["input 1", "position 0 is a boolean True"]),
-        ({"input": [[101, 2**63]]}, "input", ["token id 9223372036854775808 at position 1", "vocabulary"]),
-        ({"input": [[101, 999_999]]}, "input", ["999999", "[0, 30522)"]),
+        (
+            {"input": [101, 1.0, [102]]},
+            "input",
+            "invalid_request",
+            ["input 0 is an integer, input 2 is a list"],
+        ),
+        ({"input": [None]}, "input", "invalid_request", ["input 0 is null; send a list of strings"]),
+        (
+            {"input": [[101, "x"]]},
+            "input",
+            "token_id_not_an_integer",
+            ["input 0", "position 1 is a string 'x', not an integer"],
+        ),
+        (
+            {"input": [101, 1.0]},
+            "input",
+            "token_id_not_an_integer",
+            ["input 0", "position 1 is a number 1.0, not an integer"],
+        ),
+        (
+            {"input": [[101], [True]]},
+            "input",
+            "token_id_not_an_integer",
+            ["input 1", "position 0 is a boolean True"],
+        ),
+        (
+            {"input": [[101, 2**63]]},
+            "input",
+            "token_id_out_of_range",
+            ["token id 9223372036854775808 at position 1", "vocabulary"],
+        ),
+        ({"input": [[101, 999_999]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
         # What LangChain's OpenAIEmbeddings sends by default: tiktoken's ids, valid ids of this vocabulary.
         (
             {"input": [[15339, 1917]]},
             "input",
+            "token_ids_not_framed",
             ["must start with [CLS] (101)", "check_embedding_ctx_length=False"],
         ),
-        ({"input": {"text": "a"}}, "input", ["an object"]),
-        ({"input": "a", "dimensions": 128}, "dimensions", ["128", f"{DIMENSIONS}"]),
+        ({"input": {"text": "a"}}, "input", "invalid_request", ["an object"]),
+        ({"input": "a", "dimensions": 128}, "dimensions", "unsupported_dimensions", ["128", f"{DIMENSIONS}"]),
         # Not "`dimensions` is 384.0, but ... send 384": a number that is not an integer says so.
-        ({"input": "a", "dimensions": 384.0}, "dimensions", ["must be an integer, not a number 384.0"]),
-        ({"input": "a", "dimensions": "384"}, "dimensions", ["must be an integer, not a string '384'"]),
-        ({"input": "a", "dimensions": True}, "dimensions", ["must be an integer, not a boolean True"]),
-        ({"input": "a", "truncate": "no"}, "truncate", ["`truncate` must be a boolean, not a string 'no'"]),
-        ({"input": "a", "truncate": 0}, "truncate", ["must be a boolean, not an integer 0"]),
+        (
+            {"input": "a", "dimensions": 384.0},
+            "dimensions",
+            "invalid_request",
+            ["must be an integer, not a number 384.0"],
+        ),
+        (
+            {"input": "a", "dimensions": "384"},
+            "dimensions",
+            "invalid_request",
+            ["must be an integer, not a string '384'"],
+        ),
+        (
+            {"input": "a", "dimensions": True},
+            "dimensions",
+            "invalid_request",
+            ["must be an integer, not a boolean True"],
+        ),
+        (
+            {"input": "a", "truncate": "no"},
+            "truncate",
+            "invalid_request",
+            ["`truncate` must be a boolean, not a string 'no'"],
+        ),
+        (
+            {"input": "a", "truncate": 0},
+            "truncate",
+            "invalid_request",
+            ["must be a boolean, not an integer 0"],
+        ),
         # As gRPC's truncate=false: refused naming the input, its tokens and the limit.
         (
             {"input": [SHORT[0], LONG], "truncate": False},
             "input",
+            "too_many_tokens",
             ["input 1 has 414 tokens, over the limit max_input_tokens=256"],
         ),
         (
             {"input": [[101, *[1000] * 298, 102]], "truncate": False},
             "input",
+            "too_many_tokens",
             ["input 0 has 300 tokens, over the limit max_input_tokens=256"],
         ),
-        ({"input": "a", "encoding_format": "hex"}, "encoding_format", ["'hex'", "float or base64"]),
-        ({"model": "m"}, "input", ["`input` is required"]),
+        (
+            {"input": "a", "encoding_format": "hex"},
+            "encoding_format",
+            "unknown_format",
+            ["'hex'", "float or base64"],
+        ),
+        ({"model": "m"}, "input", "no_inputs", ["`input` is required"]),
     ],
 )
-def test_invalid_requests_get_400_in_openais_shape_naming_the_limit(server, body, param, named):
+def test_invalid_requests_get_400_in_openais_shape_naming_the_limit(server, body, param, code, named):
     response = httpx.post(
         server.http_url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
+    # `code`: the reason gRPC's ErrorInfo gives, lower-cased (OpenAI's codes name the case too).
+    assert error["type"] == "invalid_request_error" and error["code"] == code
     assert error["param"] == param
     for part in named:
         assert part in error["message"], error["message"]
@@ -545,7 +615,7 @@ def test_a_full_queue_is_refused_with_429_naming_the_limit(held_server, grpc_cli
     answered = [o for o in outcomes if isinstance(o, openai.types.CreateEmbeddingResponse)]
     assert refused and answered and len(refused) + len(answered) == 30, outcomes
     assert all("queue_limit is 4" in e.message and e.status_code == 429 for e in refused)
-    assert refused[0].body["code"] == "resource_exhausted"  # type: ignore[index]
+    assert refused[0].body["code"] == "queue_full"  # type: ignore[index]
     assert all(e.response.headers["retry-after"] == "1" for e in refused)
     want = grpc_client.embed(texts)
     for response in answered:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 NAMESPACE = "minilm_embed"
 OLD_TOP_LEVEL = ("server", "model", "proto", "client", "export")
-CLIENT_DEPENDENCIES = {"grpcio", "protobuf", "numpy"}
+CLIENT_DEPENDENCIES = {"grpcio", "protobuf", "numpy", "grpcio-status"}
 NOT_IN_A_CLIENT = ("onnxruntime", "onnxruntime-gpu", "torch", "tokenizers", "pyzmq")
 STUBS = ("embedding_pb2.py", "embedding_pb2.pyi", "embedding_pb2_grpc.py")
 # What an earlier build in the same checkout left in setuptools' build tree: a module since deleted.

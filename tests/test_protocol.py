@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from minilm_embed.server import logs, protocol
+from minilm_embed.server.errors import BackendFailure, Overloaded
+from minilm_embed.server.transport import error_for
 
 
 def test_submit_carries_its_request_tag_and_arrays_to_the_engine():
@@ -28,3 +30,25 @@ def test_a_tag_longer_than_the_header_holds_is_a_programming_error():
     one = np.array([1], dtype=np.int32)
     with pytest.raises(AssertionError):
         protocol.submit(1, None, False, one, one, "t" * (protocol.TAG_BYTES + 1))
+
+
+def test_an_engine_refusal_reaches_the_front_as_the_same_error():
+    """A failed RESULT carries the error's class (by its status), message, reason, field and
+    metadata: the front's google.rpc details say what the engine's error said."""
+    sent = Overloaded("queue full", "QUEUE_FULL", setting="queue_limit", limit=4, value=3, asked=2)
+    frames = protocol.failure(7, sent.code.value[0], str(sent), sent.reason, sent.field, sent.metadata)
+    got = error_for(protocol.parse_result(frames, 384))
+    assert type(got) is Overloaded and str(got) == "queue full"
+    assert (got.reason, got.field, got.metadata) == (
+        "QUEUE_FULL",
+        "",
+        {"setting": "queue_limit", "limit": "4", "value": "3", "asked": "2"},
+    )
+    internal = error_for(
+        protocol.parse_result(protocol.failure(8, 13, "internal error", "INTERNAL_ERROR"), 384)
+    )
+    assert (type(internal), internal.code, internal.reason) == (
+        BackendFailure,
+        BackendFailure.code,
+        "INTERNAL_ERROR",
+    )

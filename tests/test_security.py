@@ -42,6 +42,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import metrics_text
 from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, flags, serving, start_server
+from tests.test_server import error_details
 
 TOKEN = "tok-" + secrets.token_urlsafe(24)  # new each run, so a hit in a log is this run's leak
 WRONG = "tok-" + secrets.token_urlsafe(24)
@@ -300,6 +301,7 @@ def test_a_refused_token_still_gets_its_request_id_back(tls_server, pki):
             c.stub.Info(pb.InfoRequest(), timeout=10, metadata=metadata)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert dict(refused.value.trailing_metadata())["x-request-id"] == "no-token-1"
+    assert error_details(refused.value)["ErrorInfo"].reason == "UNAUTHENTICATED"
 
 
 def test_health_and_reflection_stay_open_without_the_token(tls_server, pki):

@@ -28,8 +28,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 
 from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
@@ -246,64 +248,142 @@ def _ids(*rows: Sequence[int]) -> list[pb.TokenIds]:
     return [pb.TokenIds(ids=list(r)) for r in rows]
 
 
+# case: (request, the message's pattern, the ErrorInfo reason, the BadRequest field, ErrorInfo metadata)
 INVALID = {
-    "no inputs": (pb.EmbedRequest(), r"no inputs"),
-    "empty string": (pb.EmbedRequest(texts=["ok", ""]), r"input 1 is an empty string"),
-    "empty token ids": (pb.EmbedRequest(token_ids=_ids([101, 102], [])), r"input 1 is an empty token-id"),
-    "texts and token ids": (pb.EmbedRequest(texts=["a"], token_ids=_ids([101, 102])), r"not both"),
+    "no inputs": (pb.EmbedRequest(), r"no inputs", "NO_INPUTS", "texts", {}),
+    "empty string": (
+        pb.EmbedRequest(texts=["ok", ""]),
+        r"input 1 is an empty string",
+        "EMPTY_INPUT",
+        "texts[1]",
+        {"input": "1"},
+    ),
+    "empty token ids": (
+        pb.EmbedRequest(token_ids=_ids([101, 102], [])),
+        r"input 1 is an empty token-id",
+        "EMPTY_INPUT",
+        "token_ids[1].ids",
+        {"input": "1"},
+    ),
+    "texts and token ids": (
+        pb.EmbedRequest(texts=["a"], token_ids=_ids([101, 102])),
+        r"not both",
+        "TEXTS_AND_TOKEN_IDS",
+        "token_ids",
+        {},
+    ),
     "too many texts": (
         pb.EmbedRequest(texts=["x"] * 65),
         r"65 inputs .*max_inputs_per_request=64",
+        "TOO_MANY_INPUTS",
+        "texts",
+        {"setting": "max_inputs_per_request", "limit": "64", "value": "65"},
     ),
     "too many token ids": (
         pb.EmbedRequest(token_ids=_ids(*[[101, 102]] * 65)),
         r"65 inputs .*max_inputs_per_request=64",
+        "TOO_MANY_INPUTS",
+        "token_ids",
+        {"setting": "max_inputs_per_request", "limit": "64", "value": "65"},
     ),
     "text too long, no truncation": (
         pb.EmbedRequest(texts=["short", LONG], truncate=False),
         r"input 1 has 414 tokens, over the limit max_input_tokens=256",
+        "TOO_MANY_TOKENS",
+        "texts[1]",
+        {
+            "input": "1",
+            "setting": "max_input_tokens",
+            "limit": "256",
+            "value": "414",
+            "valueIsLowerBound": "false",
+        },
     ),
     "token ids too long, no truncation": (
         pb.EmbedRequest(token_ids=_ids([101, *[1000] * 298, 102]), truncate=False),
         r"input 0 has 300 tokens, over the limit max_input_tokens=256",
+        "TOO_MANY_TOKENS",
+        "token_ids[0].ids",
+        {"input": "0", "limit": "256", "value": "300"},
     ),
     "negative token id": (
         pb.EmbedRequest(token_ids=_ids([101, 7592, 102], [101, -5, 102])),
         r"input 1: token id -5 at position 1 is outside the vocabulary \[0, 30522\)",
+        "TOKEN_ID_OUT_OF_RANGE",
+        "token_ids[1].ids[1]",
+        {"input": "1", "position": "1", "value": "-5", "vocabularySize": "30522"},
     ),
     "token id past the vocabulary": (
         pb.EmbedRequest(token_ids=_ids([101, VOCAB, 102])),
         r"input 0: token id 30522 at position 1 is outside the vocabulary",
+        "TOKEN_ID_OUT_OF_RANGE",
+        "token_ids[0].ids[1]",
+        {"value": "30522"},
     ),
     "another tokenizer's ids (tiktoken's for 'hello world')": (
         pb.EmbedRequest(token_ids=_ids([101, 7592, 2088, 102], [15339, 1917])),
         r"input 1: token ids must start with \[CLS\] \(101\) and end with \[SEP\] \(102\), as Tokenize "
         r"returns them; these start with 15339 and end with 1917.*check_embedding_ctx_length=False",
+        "TOKEN_IDS_NOT_FRAMED",
+        "token_ids[1].ids",
+        {"firstId": "15339", "lastId": "1917", "expectedFirstId": "101", "expectedLastId": "102"},
     ),
     "a text's ids without [CLS] and [SEP]": (
         pb.EmbedRequest(token_ids=_ids([7592, 2088])),
         r"input 0: token ids must start with \[CLS\]",
+        "TOKEN_IDS_NOT_FRAMED",
+        "token_ids[0].ids",
+        {"input": "0"},
     ),
     # proto3 keeps an enum value it does not know as its number: answered as floats before.
     "unknown format": (
         pb.EmbedRequest(texts=["a"], format=7),  # type: ignore[arg-type]
         r"format is 7, not an EmbeddingFormat: send EMBEDDING_FORMAT_UNSPECIFIED \(0\), "
         r"EMBEDDING_FORMAT_FLOATS \(1\) or EMBEDDING_FORMAT_FLOAT32_BYTES \(2\)",
+        "UNKNOWN_FORMAT",
+        "format",
+        {"value": "7"},
     ),
     "text over max_text_chars": (
         pb.EmbedRequest(texts=["x" * 200_001]),
         r"input 0 has 200001 characters, over the limit max_text_chars=200000",
+        "TEXT_TOO_LONG",
+        "texts[0]",
+        {"setting": "max_text_chars", "limit": "200000", "value": "200001"},
     ),
 }
 
 
+def error_details(error: grpc.RpcError) -> dict[str, object]:
+    """The google.rpc details of a failed call's trailer, read as gRPC's own library reads them."""
+    status = rpc_status.from_call(error)
+    assert status is not None, f"no google.rpc details: {error.trailing_metadata()}"
+    found: dict[str, object] = {}
+    for detail in status.details:
+        for kind in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if detail.Is(kind.DESCRIPTOR):
+                found[kind.__name__] = message = kind()
+                detail.Unpack(message)
+    assert len(found) == len(status.details), status
+    return found
+
+
 @pytest.mark.parametrize("case", INVALID.keys())
 def test_invalid_requests_get_invalid_argument_naming_the_limit(client, case):
-    request, message = INVALID[case]
+    request, message, reason, field, metadata = INVALID[case]
     with pytest.raises(grpc.RpcError) as e:
         client.stub.Embed(request, timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, e.value.details()), e.value.details()
+    # The same in google.rpc details, for a program: the reason, the limit and value, the field.
+    found = error_details(e.value)
+    assert set(found) == {"ErrorInfo", "BadRequest"}, found  # no RetryInfo: retrying cannot help
+    info, bad = found["ErrorInfo"], found["BadRequest"]
+    assert (info.reason, info.domain) == (reason, "minilm-embed")
+    assert metadata.items() <= dict(info.metadata).items(), info.metadata
+    assert [(v.field, v.reason, v.description) for v in bad.field_violations] == [
+        (field, reason, e.value.details())
+    ]
 
 
 def test_an_empty_tokenize_request_names_its_own_field(client):
@@ -402,6 +482,12 @@ def test_embed_stream_answers_every_item_and_goes_on_after_a_bad_one(client, ref
     assert bad.WhichOneof("result") == "error"
     assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] == 3
     assert "empty string" in bad.error.message
+    # What Embed's google.rpc details would say, in the item's own fields.
+    assert (bad.error.reason, bad.error.field, dict(bad.error.metadata)) == (
+        "EMPTY_INPUT",
+        "texts[0]",
+        {"input": "0"},
+    )
     assert all(a.WhichOneof("result") == "response" for a in answers.values())
     got = np.concatenate([to_array(a.response) for a in answers.values()])
     assert_close(got, reference.embed([texts[k] for k in answers]))
@@ -600,6 +686,18 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     refused = [o for o in outcomes if status(o) == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert all("queue_limit is 4" in o.details() for o in refused)
+    for o in refused:  # from the engine, through the front, as google.rpc details
+        found = error_details(o)
+        assert set(found) == {"ErrorInfo", "RetryInfo"}, found
+        info = found["ErrorInfo"]
+        assert info.reason == "QUEUE_FULL", info
+        assert {k: info.metadata[k] for k in ("setting", "limit", "asked")} == {
+            "setting": "queue_limit",
+            "limit": "4",
+            "asked": "3",
+        }
+        assert 1 < int(info.metadata["value"]) <= 4  # waiting: with these 3, past the limit
+        assert found["RetryInfo"].retry_delay.seconds == 1
     for o in outcomes:
         if status(o) == grpc.StatusCode.OK:
             assert_close(to_array(o), reference.embed(texts))
