@@ -401,6 +401,18 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
+def requested_log_format(argv: Sequence[str] | None, environ: Mapping[str, str]) -> str:
+    """The log format asked for (`--log-format`, else its variable, else text), read leniently before
+    the settings are, so that a setting refused then is reported in it: a JSON log pipeline got one
+    plain line for a mistyped flag."""
+    parser = _Parser(add_help=False)
+    parser.add_argument("--log-format", default=environ.get(env_name("log_format"), "text"))
+    try:
+        return str(parser.parse_known_args(argv)[0].log_format)
+    except ConfigError:  # `--log-format` without its value: refused with the rest, in the default
+        return environ.get(env_name("log_format"), "text")
+
+
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerConfig:
     """Flags override environment variables, which override the defaults. A setting that cannot be
     used is a ConfigError naming it and the value, with a pointer to --help."""

@@ -127,6 +127,14 @@ def line_object(ts: datetime, level: str, process: str | None, logger: str, mess
     return {"ts": iso, "level": level, "process": process, "logger": logger, "message": message}
 
 
+def refusal(message: str, log_format: str) -> None:
+    """The server's one line when it cannot start: plain, or with `json` one object (its own, not a
+    relayed plain line, so the same whether the settings could be read or not)."""
+    if log_format == "json":
+        message = json.dumps(line_object(datetime.now(UTC), "ERROR", "MainProcess", "server", message))
+    print(message, file=sys.stderr, flush=True)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts (UTC, ISO 8601), level, process, logger, message, request_id or
     request_ids when the line is about requests, exception (the traceback) when there is one."""

@@ -170,6 +170,34 @@ def test_a_refusal_after_logging_is_set_up_is_a_json_line():
     assert line["level"] == "ERROR" and str(line["message"]).startswith("server: error: "), line
 
 
+@pytest.mark.parametrize(
+    ("flags", "environ"),
+    [
+        (["--log-format", "json", "--max-batch-size", "x"], {}),
+        (["--log-format=json", "--no-such-flag"], {}),
+        (["--no-such-flag"], {"EMBED_LOG_FORMAT": "json"}),
+        ([], {"EMBED_LOG_FORMAT": "json", "EMBED_THREADS": "many"}),
+    ],
+)
+def test_a_setting_that_cannot_be_read_is_refused_in_the_log_format_asked_for(flags, environ):
+    """Refused before the settings are read: the format is read leniently first (it was one plain
+    line in a JSON log pipeline)."""
+    command = [sys.executable, "-m", "minilm_embed.server", *flags]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, **environ}
+    )
+    assert done.returncode == 2
+    [line] = [json.loads(line) for line in done.stderr.splitlines()]
+    assert line["level"] == "ERROR" and str(line["message"]).startswith("server: error: "), line
+    assert "--help` lists every setting" in str(line["message"]), line
+
+
+def test_without_json_asked_for_the_refusal_is_one_plain_line():
+    command = [sys.executable, "-m", "minilm_embed.server", "--max-batch-size", "x", "--log-format"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("server: error: ") and done.stderr.count("\n") == 1
+
+
 ABSL = "E1127 12:00:00.123456  1234 ssl_transport_security.cc:1519] Handshake failed with error SSL_ERROR_SSL"
 ORT = (
     "2026-11-27 12:00:00.123456789 [W:onnxruntime:, session_state.cc:1166 VerifyEachNodeIsAssignedToAnEp] "
