@@ -20,6 +20,7 @@ setting, the limit, the value, the input), `field` (the request field at fault) 
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -113,7 +114,7 @@ def _read_details(mapped: EmbeddingError, error: grpc.RpcError) -> None:
     """The google.rpc error details of `error`'s trailer, where the server sent them."""
     try:
         status = rpc_status.from_call(error)
-    except ValueError:  # details whose code or message are not the call's: not this server's
+    except (ValueError, DecodeError):  # not the call's own details (a proxy's, or garbled): ignored
         return
     if status is None:
         return

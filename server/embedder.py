@@ -125,7 +125,9 @@ class Embedder:
             raise InvalidInput(
                 "set either `texts` or `token_ids`, not both", "TEXTS_AND_TOKEN_IDS", "token_ids"
             )
-        self.tokenizer.check_count(job.count, field="token_ids" if job.token_ids else "texts")
+        self.tokenizer.check_count(
+            job.count, field="texts" if job.texts or not job.token_ids else "token_ids"
+        )
         self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)

@@ -289,14 +289,16 @@ async def start(front: Front) -> protocol.EngineFacts:
     return facts
 
 
-async def drain(front: Front, index: int, reason: str = "the server is shutting down") -> None:
+async def drain(
+    front: Front, index: int, reason: str = "the server is shutting down", code: str = "SHUTTING_DOWN"
+) -> None:
     """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls.
 
     Logs what it waits for and how long each API took, and says when the drain timeout cut calls off
     (gRPC then cancels them; uvicorn cancels its requests): a front that never served says nothing,
     so a server that cannot start stops with its one line of why."""
     served = front.readiness.ready
-    await front.readiness.not_serving(reason)
+    await front.readiness.not_serving(reason, code)
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first.
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
@@ -481,7 +483,10 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     starting.cancel()
     reclaiming.cancel()
     try:
-        await drain(front, index, ENGINE_GONE if outcome["code"] else "the server is shutting down")
+        if outcome["code"]:
+            await drain(front, index, ENGINE_GONE, "ENGINE_STOPPED")
+        else:
+            await drain(front, index)
         if tracer is not None:
             await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
     except Exception:  # logged here, not sent as a start-up failure: that would end the whole server

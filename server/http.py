@@ -281,7 +281,7 @@ class HttpApi:
         except Exception:
             log.exception("%s failed", method)
             code = grpc.StatusCode.INTERNAL
-            response = error_response(BackendFailure(INTERNAL))
+            response = error_response(BackendFailure(INTERNAL, "INTERNAL_ERROR"))
         finally:
             self.metrics.requests.labels(method, code.name).inc()  # before leaving in-flight, as gRPC
             self.metrics.in_flight.dec()

@@ -18,19 +18,19 @@ class Readiness:
         self.metrics = metrics
         self.ready = False
         self.reason = "the model is warming up"
-        self.code = "WARMING_UP"  # the reason as an error reason (server/errors.py)
+        self.error_reason = "WARMING_UP"  # the same as an error's reason (server/errors.py)
 
     def check(self) -> None:
         if not self.ready:
-            raise NotReady(f"not serving: {self.reason}; retry", self.code)
+            raise NotReady(f"not serving: {self.reason}; retry", self.error_reason)
 
     async def serving(self) -> None:
         self.ready = True
         self.metrics.ready.set(1)
         await set_serving(self.health, True)
 
-    async def not_serving(self, reason: str, code: str = "SHUTTING_DOWN") -> None:
+    async def not_serving(self, reason: str, error_reason: str = "SHUTTING_DOWN") -> None:
         self.ready = False
-        self.reason, self.code = reason, code
+        self.reason, self.error_reason = reason, error_reason
         self.metrics.ready.set(0)
         await set_serving(self.health, False)

@@ -365,7 +365,8 @@ def _unary(
                 return await behaviour(data, context)
         finally:
             service.places.give_back()
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call ended without its request")
+        error = InvalidInput(f"the {method} call ended without its request", "NO_REQUEST")
+        await context.abort(error.code, str(error), service._request_id(context) + details(error))
         raise AssertionError("unreachable: abort raises")
 
     return grpc.stream_unary_rpc_method_handler(call, None, response.SerializeToString)
@@ -388,7 +389,8 @@ def _counted_stream(
 
 
 def _inputs_field(request: pb.EmbedRequest) -> str:
-    return "token_ids" if request.token_ids else "texts"
+    """The field `_inputs` counts."""
+    return "texts" if request.texts or not request.token_ids else "token_ids"
 
 
 def _inputs(request: object) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 
 from minilm_embed.client import (
     AsyncEmbeddingClient,
@@ -51,6 +52,23 @@ def test_each_status_maps_to_its_exception_keeping_code_details_and_metadata(cod
     assert isinstance(error, grpc.RpcError) and isinstance(error, EmbeddingError)
     assert (error.code(), error.details(), error.trailing_metadata()["k"]) == (code, "why", "v")
     # No google.rpc details (gRPC's own errors): nothing made up.
+    assert (error.reason, error.field, error.error_metadata, error.retry_after) == ("", "", {}, None)
+
+
+@pytest.mark.parametrize(
+    "trailer",
+    [
+        b"\xff\xff not a google.rpc.Status",  # garbled, a proxy's
+        status_pb2.Status(code=3, message="another message").SerializeToString(),  # not this call's
+    ],
+)
+def test_details_that_are_not_the_calls_own_are_ignored_not_raised(trailer):
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", trailer))
+    raw = grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailing, "why", "debug"
+    )
+    error = from_rpc_error(raw)
+    assert type(error) is InvalidInput and error.details() == "why"
     assert (error.reason, error.field, error.error_metadata, error.retry_after) == ("", "", {}, None)
 
 

@@ -41,6 +41,7 @@ from tests.server_process import (
     wait_until,
 )
 from tests.stand_in_server import HOLD_S, HOLD_TEXT
+from tests.test_server import error_details
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
@@ -163,6 +164,7 @@ def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model
                     outcome["code"] = grpc.StatusCode.OK
                 except grpc.RpcError as e:
                     outcome["code"], outcome["details"] = e.code(), e.details()
+                    outcome["reason"] = error_details(e)["ErrorInfo"].reason
                 outcome["at"] = time.monotonic()
 
         caller = threading.Thread(target=call)
@@ -172,7 +174,7 @@ def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model
         os.kill(process.engine_pid, signal.SIGKILL)
         caller.join(30)
         assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
-        assert "engine" in str(outcome["details"])
+        assert "engine" in str(outcome["details"]) and outcome["reason"] == "ENGINE_STOPPED"
         assert float(outcome["at"]) - killed < 1.0  # at once, not at the call's deadline
         assert process.wait(30) == 1
         assert any("engine process exited" in line for line in process.lines)

@@ -386,6 +386,19 @@ def test_invalid_requests_get_invalid_argument_naming_the_limit(client, case):
     ]
 
 
+def test_a_unary_call_sent_without_its_request_is_refused_with_details(server):
+    """Only a hand-made client can end a unary call's stream before its message; still answered
+    INVALID_ARGUMENT with its request id and the details every refusal carries."""
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_unary(f"/{SERVICE_NAME}/Embed")
+        with pytest.raises(grpc.RpcError) as e:
+            call(iter(()), timeout=30, metadata=(("x-request-id", "no-message-1"),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "the Embed call ended without its request"
+    assert dict(e.value.trailing_metadata())["x-request-id"] == "no-message-1"
+    assert error_details(e.value)["ErrorInfo"].reason == "NO_REQUEST"
+
+
 def test_an_empty_tokenize_request_names_its_own_field(client):
     """TokenizeRequest has no `token_ids`: the refusal told its caller to set one."""
     with pytest.raises(grpc.RpcError) as e:
@@ -828,8 +841,8 @@ class Lifecycle:
         self.process = start_server("--address", f"127.0.0.1:{self.port}", "--drain-timeout-s", "30")
         self.address = f"127.0.0.1:{self.port}"
         self.statuses: list[int] = []  # health of the service, in the order seen
-        self.embed_while_warming: grpc.StatusCode | None = None
-        self.info_while_warming: grpc.StatusCode | None = None
+        self.embed_while_warming: tuple[grpc.StatusCode, str] | None = None
+        self.info_while_warming: tuple[grpc.StatusCode, str] | None = None
         self.whole_server: int | None = None  # health of "" once the service said SERVING
 
     def watch_start(self, timeout: float = 120) -> None:
@@ -854,12 +867,13 @@ class Lifecycle:
             self.whole_server = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
     @staticmethod
-    def _try(method: grpc.UnaryUnaryMultiCallable, request: object) -> grpc.StatusCode:
+    def _try(method: grpc.UnaryUnaryMultiCallable, request: object) -> tuple[grpc.StatusCode, str]:
+        """The call's status, and its ErrorInfo reason where it failed."""
         try:
             method(request, timeout=5)
         except grpc.RpcError as e:
-            return e.code()
-        return grpc.StatusCode.OK
+            return e.code(), error_details(e)["ErrorInfo"].reason
+        return grpc.StatusCode.OK, ""
 
 
 @pytest.fixture(scope="module")
@@ -878,8 +892,8 @@ def test_health_says_not_serving_until_warm_up_ends(lifecycle):
     serving = health_pb2.HealthCheckResponse.SERVING
     assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen[-1] == serving and serving not in seen[:-1]
-    assert lifecycle.embed_while_warming == grpc.StatusCode.UNAVAILABLE
-    assert lifecycle.info_while_warming == grpc.StatusCode.UNAVAILABLE
+    assert lifecycle.embed_while_warming == (grpc.StatusCode.UNAVAILABLE, "WARMING_UP")
+    assert lifecycle.info_while_warming == (grpc.StatusCode.UNAVAILABLE, "WARMING_UP")
     assert lifecycle.whole_server == serving
 
 
