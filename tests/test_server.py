@@ -699,7 +699,7 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     refused = [o for o in outcomes if status(o) == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert all("queue_limit is 4" in o.details() for o in refused)
-    for o in refused:  # from the engine, through the front, as google.rpc details
+    for o in refused:  # the front's admission or the engine's (test_protocol), the same details
         found = error_details(o)
         assert set(found) == {"ErrorInfo", "RetryInfo"}, found
         info = found["ErrorInfo"]
