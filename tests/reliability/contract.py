@@ -1,8 +1,9 @@
 """What the server must answer to any request, from its documented limits (Info.limits, README).
 
 `Contract.expect(method, body)` decodes the request bytes as the server does and says which status
-it must get and a phrase the message must hold (the limit it names); `Contract.check(...)` checks a
-good answer in full. Used by the fuzz tests, which send arbitrary bytes as well as valid requests.
+it must get, a phrase the message must hold (the limit it names) and the reason its google.rpc
+ErrorInfo must give (none where gRPC itself refuses); `Contract.check(...)` checks a good answer in
+full. Used by the fuzz tests, which send arbitrary bytes as well as valid requests.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ class Limits:
 class Expect:
     code: grpc.StatusCode
     phrase: str = ""  # the message must contain it
+    reason: str = ""  # the ErrorInfo reason (README, "Errors"); "" for none
 
     def __str__(self) -> str:
-        return f"{self.code.name} {self.phrase!r}" if self.phrase else self.code.name
+        said = f"{self.code.name} {self.phrase!r}" if self.phrase else self.code.name
+        return f"{said} ({self.reason})" if self.reason else said
 
 
 OK = Expect(grpc.StatusCode.OK)
@@ -69,7 +72,7 @@ class Contract:
         try:
             return kind.FromString(body)
         except DecodeError:
-            return Expect(INVALID, f"not a valid {kind.DESCRIPTOR.full_name}")
+            return Expect(INVALID, f"not a valid {kind.DESCRIPTOR.full_name}", "MALFORMED_REQUEST")
 
     def expect(self, method: str, body: bytes) -> Expect:
         if len(body) > self.limits.max_message_bytes:  # gRPC itself refuses it
@@ -85,9 +88,9 @@ class Contract:
 
     def embed(self, r: pb.EmbedRequest) -> Expect:
         if r.format not in pb.EmbeddingFormat.values():  # proto3 keeps a number the enum lacks
-            return Expect(INVALID, f"format is {r.format}, not an EmbeddingFormat")
+            return Expect(INVALID, f"format is {r.format}, not an EmbeddingFormat", "UNKNOWN_FORMAT")
         if r.texts and r.token_ids:
-            return Expect(INVALID, "either `texts` or `token_ids`")
+            return Expect(INVALID, "either `texts` or `token_ids`", "TEXTS_AND_TOKEN_IDS")
         truncate = r.truncate if r.HasField("truncate") else True
         if r.token_ids:
             return self.token_ids([list(t.ids) for t in r.token_ids], truncate)
@@ -98,9 +101,11 @@ class Contract:
 
     def count(self, n: int) -> Expect | None:
         if n == 0:
-            return Expect(INVALID, "no inputs")
+            return Expect(INVALID, "no inputs", "NO_INPUTS")
         if n > self.limits.max_inputs_per_request:
-            return Expect(INVALID, f"max_inputs_per_request={self.limits.max_inputs_per_request}")
+            return Expect(
+                INVALID, f"max_inputs_per_request={self.limits.max_inputs_per_request}", "TOO_MANY_INPUTS"
+            )
         return None
 
     def texts(self, texts: Any) -> Expect | None:
@@ -109,9 +114,9 @@ class Contract:
             if problem:
                 break
             if not text:
-                problem = Expect(INVALID, "is an empty string")
+                problem = Expect(INVALID, "is an empty string", "EMPTY_INPUT")
             elif len(text) > self.limits.max_text_chars:
-                problem = Expect(INVALID, f"max_text_chars={self.limits.max_text_chars}")
+                problem = Expect(INVALID, f"max_text_chars={self.limits.max_text_chars}", "TEXT_TOO_LONG")
         return problem
 
     def token_ids(self, rows: list[list[int]], truncate: bool) -> Expect:
@@ -120,17 +125,19 @@ class Contract:
             if problem:
                 break
             if not ids:
-                problem = Expect(INVALID, "empty token-id sequence")
+                problem = Expect(INVALID, "empty token-id sequence", "EMPTY_INPUT")
             elif any(not 0 <= t < self.limits.vocab_size for t in ids):
-                problem = Expect(INVALID, f"outside the vocabulary [0, {self.limits.vocab_size})")
+                vocabulary = f"outside the vocabulary [0, {self.limits.vocab_size})"
+                problem = Expect(INVALID, vocabulary, "TOKEN_ID_OUT_OF_RANGE")
             elif (ids[0], ids[-1]) != FRAME:
-                problem = Expect(INVALID, "token ids must start with [CLS] (101) and end with [SEP] (102)")
+                framed = "token ids must start with [CLS] (101) and end with [SEP] (102)"
+                problem = Expect(INVALID, framed, "TOKEN_IDS_NOT_FRAMED")
         if problem is None and not truncate and any(len(ids) > self.limits.max_input_tokens for ids in rows):
             problem = self._too_long()
         return problem or OK
 
     def _too_long(self) -> Expect:
-        return Expect(INVALID, f"max_input_tokens={self.limits.max_input_tokens}")
+        return Expect(INVALID, f"max_input_tokens={self.limits.max_input_tokens}", "TOO_MANY_TOKENS")
 
     def check(self, method: str, request: Any, answer: bytes) -> None:
         """A good answer, in full: one vector or token row per input, finite, of the right size."""

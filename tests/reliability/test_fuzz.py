@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -214,6 +216,7 @@ class Outcome:
     code: grpc.StatusCode
     details: str
     answers: tuple[bytes, ...]  # one for a unary call; a stream's answers in arrival order
+    reason: str = ""  # the google.rpc ErrorInfo's reason, where the refusal carried one
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,18 @@ async def send(channel: grpc.aio.Channel, case: Case) -> Outcome:
         else:
             answers = (await channel.unary_unary(path)(case.body, timeout=60),)
     except grpc.aio.AioRpcError as e:
-        return Outcome(e.code(), e.details() or "", ())
+        return Outcome(e.code(), e.details() or "", (), reason_of(e))
     return Outcome(grpc.StatusCode.OK, "", answers)
+
+
+def reason_of(error: grpc.aio.AioRpcError) -> str:
+    """The ErrorInfo reason of the call's google.rpc details, as gRPC's library reads them; "" if none."""
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
 
 
 async def send_all(address: str, produce: Callable[[Callable[[Case], None]], None]) -> list[Sent]:
@@ -274,8 +287,9 @@ def problem(contract: Contract, case: Case, outcome: Outcome) -> str | None:
         return stream_problem(contract, case, outcome)
     assert isinstance(case.body, bytes)
     want = contract.expect(case.method, case.body)
-    if outcome.code != want.code or want.phrase not in outcome.details:
-        return f"{case}: got {outcome.code.name} {outcome.details!r}, expected {want}"
+    if outcome.code != want.code or want.phrase not in outcome.details or outcome.reason != want.reason:
+        got = f"{outcome.code.name} {outcome.details!r} ({outcome.reason or 'no reason'})"
+        return f"{case}: got {got}, expected {want}"
     if want.code == grpc.StatusCode.OK:
         try:
             contract.check(case.method, contract.decode(case.method, case.body), outcome.answers[0])
@@ -289,23 +303,25 @@ def stream_problem(contract: Contract, case: Case, outcome: Outcome) -> str | No
     if outcome.code != grpc.StatusCode.OK:
         return f"{case}: the stream ended {outcome.code.name} {outcome.details!r}"
     assert isinstance(case.body, tuple)
-    expected: list[tuple[str, int, str, Any]] = []
+    expected: list[tuple[str, int, Expect, Any]] = []
     for item in case.body:
         decoded = contract.decode("EmbedStream", item)
         if isinstance(decoded, Expect):
-            expected.append(("", decoded.code.value[0], decoded.phrase, None))
+            expected.append(("", decoded.code.value[0], decoded, None))
         else:
             want = contract.embed(decoded.request)
-            expected.append((decoded.id, want.code.value[0], want.phrase, decoded.request))
+            expected.append((decoded.id, want.code.value[0], want, decoded.request))
     got = [pb.EmbedStreamResponse.FromString(a) for a in outcome.answers]
     got_codes = sorted((a.id, a.error.code if a.HasField("error") else 0) for a in got)
     if got_codes != sorted((i, c) for i, c, _, _ in expected):
         return f"{case}: answers {got_codes}, expected {sorted((i, c) for i, c, _, _ in expected)}"
     by_id = {a.id: a for a in got}
-    for item_id, code, phrase, request in expected:
+    for item_id, code, want, request in expected:
         answer = by_id[item_id]
-        if code and phrase not in answer.error.message:
-            return f"{case}: item {item_id!r}: {answer.error.message!r} lacks {phrase!r}"
+        if code and (want.phrase not in answer.error.message or answer.error.reason != want.reason):
+            return (
+                f"{case}: item {item_id!r}: {answer.error.message!r} ({answer.error.reason}), expected {want}"
+            )
         if not code:
             try:
                 contract.check_embed(request, answer.response)
