@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ef.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     ef.add_argument(
+        "--priority",
+        choices=("bulk", "interactive"),
+        default="bulk",
+        help="bulk: batched after interactive requests, within the server's --bulk-queue-share",
+    )
+    ef.add_argument(
         "--retry-for",
         type=float,
         default=600.0,
@@ -180,6 +186,7 @@ def bulk_job(args: argparse.Namespace) -> bulk.Job:
         max_request_bytes=args.max_request_bytes,
         concurrency=args.concurrency,
         normalize=not args.no_normalize,
+        priority=args.priority,
         backoff=bulk.Backoff(for_s=max(args.retry_for, 0.0), retries=args.retries),
     )
 

@@ -684,6 +684,9 @@ class Job:
     max_request_bytes: int = 1 << 20
     concurrency: int = 16
     normalize: bool = True
+    # Batched after interactive requests, within the server's --bulk-queue-share of its queue: a job
+    # beside live traffic uses what that traffic leaves.
+    priority: str = "bulk"
     backoff: Backoff = Backoff()
 
 
@@ -709,7 +712,9 @@ class Served:
 
 
 class Embedder(Protocol):
-    async def embed(self, texts: list[str], normalize: bool = True) -> np.ndarray: ...
+    async def embed(
+        self, texts: list[str], normalize: bool = True, *, priority: str = "interactive"
+    ) -> np.ndarray: ...
 
 
 def stdin_bytes() -> IO[bytes]:
@@ -771,7 +776,11 @@ async def run_job(
         stats = Stats(rows=written.rows, resumed=written.rows, on_retry=on_retry)
 
         def embed_texts(texts: list[str]) -> Awaitable[np.ndarray]:
-            return with_retries(lambda: client.embed(texts, normalize=job.normalize), job.backoff, stats)
+            return with_retries(
+                lambda: client.embed(texts, normalize=job.normalize, priority=job.priority),
+                job.backoff,
+                stats,
+            )
 
         if last := skip_written(records, written, name):
             await check_same_input(embed_texts, last, written, name)

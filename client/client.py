@@ -117,15 +117,28 @@ def embed_request(
     token_ids: Iterable[Sequence[int]] | None = None,
     normalize: bool = True,
     truncate: bool = True,
+    priority: str = "interactive",
 ) -> pb.EmbedRequest:
-    """An Embed request for texts or token-id sequences (one of the two), asking for float32 bytes."""
+    """An Embed request for texts or token-id sequences (one of the two), asking for float32 bytes.
+    `priority`: "interactive" (a caller waits on it) or "bulk" (batched after interactive requests,
+    within the server's --bulk-queue-share of its queue)."""
     return pb.EmbedRequest(
         texts=text_list(texts),
         token_ids=[pb.TokenIds(ids=list(ids)) for ids in (() if token_ids is None else token_ids)],
         normalize=normalize,
         truncate=truncate,
         format=pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
+        priority=_priority(priority),
     )
+
+
+PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
+
+
+def _priority(name: str) -> pb.Priority:
+    if name not in PRIORITIES:
+        raise ValueError(f"priority must be interactive or bulk, not {name!r}")
+    return PRIORITIES[name]
 
 
 def to_array(response: pb.EmbedResponse) -> np.ndarray:
@@ -183,7 +196,13 @@ class EmbeddingClient:
         """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
         return self._call(self.stub.Embed, request)
 
-    def embed(self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True) -> np.ndarray:
+    def embed(
+        self,
+        texts: str | Iterable[str],
+        normalize: bool = True,
+        truncate: bool = True,
+        priority: str = "interactive",
+    ) -> np.ndarray:
         """(len(texts), D) float32 vectors, in input order (a lone str is one text: (1, D)).
 
         `normalize=False` gives the mean-pooled vectors; `truncate=False` refuses a text over the
@@ -192,9 +211,12 @@ class EmbeddingClient:
         longer list, `minilm-embed embed-file` does), each of at most max_text_chars, and
         max_message_bytes a message. A failed call raises a client.errors exception: InvalidInput
         (the limit or rule, named), Overloaded (queue full: back off), TooLarge (a message over the
-        size limit), Unavailable, Unauthenticated, DeadlineExceeded.
+        size limit), Unavailable, Unauthenticated, DeadlineExceeded. `priority="bulk"` for work
+        nobody waits on (indexing): batched after interactive requests, and refused (Overloaded)
+        once the server's queue holds its --bulk-queue-share.
         """
-        return to_array(self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate)))
+        request = embed_request(texts, normalize=normalize, truncate=truncate, priority=priority)
+        return to_array(self.embed_response(request))
 
     def embed_ids(
         self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True
@@ -274,12 +296,15 @@ class AsyncEmbeddingClient:
         return await self._call("Embed", request)
 
     async def embed(
-        self, texts: str | Iterable[str], normalize: bool = True, truncate: bool = True
+        self,
+        texts: str | Iterable[str],
+        normalize: bool = True,
+        truncate: bool = True,
+        priority: str = "interactive",
     ) -> np.ndarray:
-        """As EmbeddingClient.embed (its limits and errors), awaited."""
-        return to_array(
-            await self.embed_response(embed_request(texts, normalize=normalize, truncate=truncate))
-        )
+        """As EmbeddingClient.embed (its limits, errors and priority), awaited."""
+        request = embed_request(texts, normalize=normalize, truncate=truncate, priority=priority)
+        return to_array(await self.embed_response(request))
 
     async def embed_ids(
         self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True

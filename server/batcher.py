@@ -1,13 +1,18 @@
 """The queue and the batching: the only place that decides which inputs run together.
 
-Inputs wait in one FIFO queue. A batch always holds the oldest waiting input (so none starves) and
-grows with its neighbours in length order, taken from a window at the head of the queue, choosing at
-each step the neighbour that adds the least padding, while the padded cost (rows x longest row) stays
-within the token budget and the rows within the batch size. The batch is padded here and its
-per-row lengths go to the model, which builds its attention mask from them (and skips the padding
-in every per-token layer, so padding costs only attention's share). Inputs whose caller
-cancelled, or whose deadline passed, are dropped before compute. A full queue refuses new work at
-once, so memory stays bounded under any load.
+Inputs wait in one queue, interactive requests' inputs ahead of bulk ones (each kind in arrival
+order): a bulk job (`embed-file`, an ingestion pipeline) fills the batches the interactive traffic
+leaves, and an interactive request waits for the batch in compute, not for the bulk work queued
+before it. Bulk requests may fill only `bulk_queue_share` of the queue, so the rest stays for
+interactive ones. A batch always holds the input at the head of the queue (so none starves within
+its kind) and grows with its neighbours in length order, taken from a window at the head of the
+queue (the interactive inputs only, while there are any: a query does not wait for bulk neighbours'
+compute), choosing at each step the neighbour that adds the least padding, while the padded cost
+(rows x longest row) stays within the token budget and the rows within the batch size. The batch
+is padded here and its per-row lengths go to the model, which builds its attention mask from them
+(and skips the padding in every per-token layer, so padding costs only attention's share). Inputs
+whose caller cancelled, or whose deadline passed, are dropped before compute. A full queue refuses
+new work at once, so memory stays bounded under any load.
 
 A request's inputs arrive as two arrays (lengths, and every token id one after another) and leave
 as one (n, D) array per output, filled in place as its batches finish: no per-input futures.
@@ -48,6 +53,11 @@ class BatchLimits:
     queue_limit: int
     max_padding: float = 1.0
     window: int = 256  # how far into the queue a batch may look for inputs of similar length
+    bulk_queue_share: float = 1.0  # of queue_limit, what bulk requests may fill
+
+    @property
+    def bulk_limit(self) -> int:
+        return bulk_limit(self.queue_limit, self.bulk_queue_share)
 
     @property
     def lookahead(self) -> int:
@@ -56,8 +66,36 @@ class BatchLimits:
         return max(self.window, self.max_batch_size)
 
 
-def check_capacity(waiting: int, count: int, queue_limit: int) -> None:
-    """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival)."""
+def bulk_limit(queue_limit: int, share: float) -> int:
+    """The inputs waiting past which a bulk request is refused."""
+    return max(1, int(queue_limit * share))
+
+
+def check_capacity(waiting: int, count: int, queue_limit: int, bulk_limit: int | None = None) -> None:
+    """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival).
+    `bulk_limit`: for a bulk request, the inputs waiting it may fill the queue to."""
+    if bulk_limit is not None and bulk_limit < queue_limit:
+        share = (
+            f"the {bulk_limit} places of the queue_limit of {queue_limit} bulk requests may fill "
+            "(bulk_queue_share)"
+        )
+        if count > bulk_limit:
+            raise InvalidInput(
+                f"{count} inputs can never fit {share}; split the request",
+                "OVER_QUEUE_LIMIT",
+                setting="bulk_queue_share",
+                limit=bulk_limit,
+                value=count,
+            )
+        if waiting + count > bulk_limit:
+            raise Overloaded(
+                f"queue full for bulk requests: {waiting} inputs waiting, past {share}; retry with backoff",
+                "QUEUE_FULL",
+                setting="bulk_queue_share",
+                limit=bulk_limit,
+                value=waiting,
+                asked=count,
+            )
     if count > queue_limit:
         raise InvalidInput(
             f"{count} inputs can never fit the queue_limit of {queue_limit}",
@@ -114,6 +152,7 @@ class Request:
     enqueued: float
     deadline: float | None  # time.monotonic() value
     tag: str = ""  # the caller's request id, for log lines (server/logs.py)
+    bulk: bool = False  # queued behind every interactive request
     # Input i's length, and where its ids start in rows.ids, as Python ints: every batch choice reads
     # them for every input in the window.
     sizes: list[int] = field(init=False)
@@ -256,8 +295,11 @@ class Batcher:
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
     on_depth: Callable[[int], None] = lambda depth: None  # told the queue depth whenever it changes
-    # Oldest first. A list, not a deque: a batch reads and rewrites the window at its head by slicing.
+    # Interactive inputs first, then bulk ones, each oldest first. A list, not a deque: a batch reads
+    # and rewrites the window at its head by slicing, and an interactive request is inserted ahead of
+    # the bulk inputs (a memmove of at most queue_limit pointers).
     _queue: list[Entry] = field(default_factory=list)
+    _interactive: int = 0  # the queue's first _interactive entries are interactive
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
@@ -296,26 +338,35 @@ class Batcher:
     def depth(self) -> int:
         return self._waiting
 
-    def check_capacity(self, count: int) -> None:
+    def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
         try:
-            check_capacity(self._waiting, count, self.limits.queue_limit)
+            check_capacity(
+                self._waiting, count, self.limits.queue_limit, self.limits.bulk_limit if bulk else None
+            )
         except Overloaded:
             self.metrics.refusals.labels("queue").inc()
             raise
 
-    def enqueue(self, rows: Rows, deadline: float | None = None, tag: str = "") -> Request:
+    def enqueue(
+        self, rows: Rows, deadline: float | None = None, tag: str = "", bulk: bool = False
+    ) -> Request:
         """Queue one request's inputs; its future resolves when every input has its vectors.
 
         `cancel(request)` (the caller went away) drops the inputs not yet computed.
         """
         assert len(rows) > 0
-        self.check_capacity(len(rows))
+        self.check_capacity(len(rows), bulk)
         if self._dead > self.limits.queue_limit:
             self._sweep()
         future = asyncio.get_running_loop().create_future()
-        request = Request(rows, future, time.monotonic(), deadline, tag)
-        self._queue.extend(zip(itertools.repeat(request), range(len(rows))))
+        request = Request(rows, future, time.monotonic(), deadline, tag, bulk)
+        entries = zip(itertools.repeat(request), range(len(rows)))
+        if bulk:
+            self._queue.extend(entries)
+        else:
+            self._queue[self._interactive : self._interactive] = entries
+            self._interactive += len(rows)
         self._waiting += len(rows)
         self._depth_changed()
         self._wakeup.set()
@@ -356,6 +407,7 @@ class Batcher:
             self._ended(request)  # one whose future was cancelled directly: its places come back here
         gone = collections.Counter(self._drop_reason(r, now) for r, _ in self._queue if r.abandoned)
         self._queue = [e for e in self._queue if not e[0].abandoned]
+        self._interactive = sum(1 for request, _ in self._queue if not request.bulk)
         for reason, count in gone.items():
             self.metrics.dropped.labels(reason).inc(count)
         self._dead = 0
@@ -422,6 +474,8 @@ class Batcher:
         """
         now = time.monotonic()
         size = min(self.limits.lookahead, len(self._queue))
+        if self._interactive:  # interactive inputs batch among themselves: a query waiting for a
+            size = min(size, self._interactive)  # batch of bulk neighbours would wait for their compute too
         head = self._queue[:size]
         requests = dict.fromkeys(map(operator.itemgetter(0), head))
         dead = {r: why for r in requests if (why := self._drop_reason(r, now))}
@@ -435,6 +489,7 @@ class Batcher:
                 self._dead = max(0, self._dead - count)
         if not window:
             del self._queue[:size]
+            self._interactive = max(0, self._interactive - size)
             self._depth_changed()
             return []
         lengths = [request.sizes[i] for request, i in window]
@@ -442,7 +497,10 @@ class Batcher:
             lengths, self.limits.max_batch_tokens, self.limits.max_batch_size, self.limits.max_padding
         )
         taken = set(chosen)
-        self._queue[:size] = [e for i, e in enumerate(window) if i not in taken]  # the rest, in order
+        rest = [e for i, e in enumerate(window) if i not in taken]  # in order
+        # The window is the queue's head, so its interactive entries are the queue's first ones.
+        self._interactive -= min(self._interactive, size) - sum(1 for request, _ in rest if not request.bulk)
+        self._queue[:size] = rest
         batch = [window[i] for i in chosen]
         for request, _ in batch:  # live requests: an ended one's inputs are not chosen
             request.queued -= 1

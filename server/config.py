@@ -113,6 +113,9 @@ class ServerConfig:
     max_tokenizing_chars: int = 2 * 256 * 4096
     # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
     queue_limit: int = 4096
+    # What share of queue_limit bulk requests (EmbedRequest.priority BULK, embed-file's) may fill:
+    # the rest stays for interactive ones, which are also batched first.
+    bulk_queue_share: float = 0.5
     # 2 MiB, as text-embeddings-inference's payload limit: 256 texts of 8 kB, or 20 of 100 kB. At
     # 8 MiB, 16 callers of the largest requests took one front to 820 MB (gRPC assembles each message
     # before a handler sees it) and a probe's p99 past a second; at 2 MiB, 225 MB and ~200 ms.
@@ -212,6 +215,10 @@ class ServerConfig:
                 raise ValueError(f"{setting(name)} must be 0 (auto) or more, not {getattr(self, name)}")
         if not 0.0 <= self.max_padding <= 1.0:
             raise ValueError(f"{setting('max_padding')} must be between 0 and 1, not {self.max_padding}")
+        if not 0.0 < self.bulk_queue_share <= 1.0:
+            raise ValueError(
+                f"{setting('bulk_queue_share')} must be above 0 and at most 1, not {self.bulk_queue_share}"
+            )
 
     def _check_choices(self) -> None:
         choices = {
@@ -306,6 +313,7 @@ _HELP = {
         "beyond it requests get RESOURCE_EXHAUSTED"
     ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
+    "bulk_queue_share": "share of queue_limit bulk requests may fill (interactive ones run first)",
     "max_message_bytes": "largest gRPC message received or sent, and largest HTTP request body",
     "max_request_bytes_in_flight": (
         "bytes of requests being parsed and tokenized per front process; beyond it requests get "

@@ -51,6 +51,7 @@ class EmbedJob:
     truncate: bool = True
     normalize: bool = True
     deadline: float | None = None  # time.monotonic() by which the answer is due
+    bulk: bool = False  # batched after interactive requests, within bulk_queue_share of the queue
     request_id: str = ""  # the caller's or a made-up id (server/logs.py), for log lines and traces
 
     @property
@@ -128,7 +129,7 @@ class Embedder:
         self.tokenizer.check_count(
             job.count, field="texts" if job.texts or not job.token_ids else "token_ids"
         )
-        self.engine.check_capacity(job.count)  # refuse overload before paying for tokenization
+        self.engine.check_capacity(job.count, job.bulk)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)
         if received is not None:
@@ -137,7 +138,7 @@ class Embedder:
         if cut := int(prepared.truncated.sum()):
             self.metrics.truncated.inc(cut)
         answer = await self.engine.embed(
-            prepared.lengths, prepared.ids, job.deadline, job.normalize, job.request_id
+            prepared.lengths, prepared.ids, job.deadline, job.normalize, job.request_id, job.bulk
         )
         embedded = Embedded(answer, prepared, started, tokenizing, tokenized)
         if self.tracer is not None:

@@ -70,6 +70,7 @@ def batch_limits(config: ServerConfig) -> BatchLimits:
         config.max_queue_delay_ms / 1000,
         config.queue_limit,
         config.max_padding,
+        bulk_queue_share=config.bulk_queue_share,
     )
 
 
@@ -229,7 +230,8 @@ class Engine:
     def _submit(self, identity: bytes, frames: list[bytes]) -> None:
         message = protocol.parse_submit(frames)
         try:
-            request = self.batcher.enqueue(Rows(message.lengths, message.ids), message.deadline, message.tag)
+            rows = Rows(message.lengths, message.ids)
+            request = self.batcher.enqueue(rows, message.deadline, message.tag, message.bulk)
         except ServiceError as e:
             self._channel.send([identity, *_failure(message.request_id, e)])
             return

@@ -224,7 +224,13 @@ def create_front(
     tokenizer = Tokenizer(verified_tokenizer(config.model_dir, manifest), max_tokens)
     limits = InputLimits(config.max_inputs_per_request, max_tokens, config.max_text_chars)
     engine = EngineClient(
-        engine_address, index, manifest.config.hidden_size, config.queue_limit, depth, metrics
+        engine_address,
+        index,
+        manifest.config.hidden_size,
+        config.queue_limit,
+        config.bulk_queue_share,
+        depth,
+        metrics,
     )
     health = new_health()
     readiness = Readiness(health, metrics)

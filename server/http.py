@@ -84,6 +84,7 @@ EMBEDDINGS_ROUTE, MODELS_ROUTE, MODEL_ROUTE = "/v1/embeddings", "/v1/models", "/
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
 INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
+PRIORITIES = ("interactive", "bulk")
 SHAPES = "send a list of strings, a list of token ids (integers), or a list of lists of token ids"
 _INT64 = 1 << 63
 # How much of a bad value an error message shows: a 900 kB one came back whole (an answer as large as
@@ -387,8 +388,9 @@ def parse_embeddings(body: bytes, card: ModelCard, most: int) -> EmbeddingsReque
         raise InvalidField("model", f"`model` must be a string, not {_kind(fields['model'])}")
     check_dimensions(fields.get("dimensions"), card)
     truncate = parse_truncate(fields.get("truncate"))
+    bulk = parse_priority(fields.get("priority"))
     texts, token_ids = parse_input(fields["input"], most)
-    job = EmbedJob(texts, token_ids, truncate=truncate)
+    job = EmbedJob(texts, token_ids, truncate=truncate, bulk=bulk)
     return EmbeddingsRequest(job, parse_format(fields.get("encoding_format")))
 
 
@@ -494,6 +496,16 @@ def parse_truncate(value: object) -> bool:
     if isinstance(value, bool):
         return value
     raise InvalidField("truncate", f"`truncate` must be a boolean, not {_kind(value)} {shown(value)}")
+
+
+def parse_priority(value: object) -> bool:
+    """gRPC's `priority` (an extension to OpenAI's request, as `truncate` is): `interactive` (also
+    unset or null) or `bulk`; whether it is bulk."""
+    if value is None or value in PRIORITIES:
+        return value == "bulk"
+    raise InvalidField(
+        "priority", f"`priority` is {shown(value)}; it must be interactive or bulk", "UNKNOWN_PRIORITY"
+    )
 
 
 def parse_format(value: object) -> bool:

@@ -4,7 +4,8 @@ Each message is one ZeroMQ multipart message. Its first frame is a fixed struct 
 byte is the kind; arrays follow as raw little-endian frames (no per-input objects, no pickling):
 
     front -> engine  HELLO    header(front index)                     engine answers READY once warm
-    front -> engine  SUBMIT   header(request id, deadline, normalize, n, tag), lengths int32 (n,), ids int32
+    front -> engine  SUBMIT   header(request id, deadline, normalize, bulk, n, tag), lengths int32 (n,),
+                              ids int32
     front -> engine  CANCEL   header(request id)                      drop its inputs before compute
     engine -> front  READY    header, JSON of the engine's facts (provider, precision, instances...)
     engine -> front  RESULT   header(request id, status, queue us, inference us), vectors float32 (n, D)
@@ -39,7 +40,7 @@ NO_DEADLINE = 0.0
 
 _HELLO = struct.Struct("<cI")  # kind, front index
 TAG_BYTES = 128  # logs.MAX_REQUEST_ID_CHARS: printable ASCII, so no NUL inside
-_SUBMIT = struct.Struct(f"<cQdBI{TAG_BYTES}s")  # kind, request id, deadline, normalize, inputs, tag
+_SUBMIT = struct.Struct(f"<cQdBBI{TAG_BYTES}s")  # kind, request id, deadline, normalize, bulk, inputs, tag
 _CANCEL = struct.Struct("<cQ")  # kind, request id
 _RESULT = struct.Struct("<cQBQQ")  # kind, request id, status, queue us, inference us
 
@@ -73,6 +74,7 @@ class Submit:
     lengths: np.ndarray  # (n,) int32
     ids: np.ndarray  # (sum(lengths),) int32, the inputs' token ids one after another
     tag: str = ""  # the caller's request id, for log lines
+    bulk: bool = False  # queued behind interactive requests (server/batcher.py)
 
 
 @dataclass(frozen=True)
@@ -107,21 +109,23 @@ def submit(
     lengths: np.ndarray,
     ids: np.ndarray,
     tag: str = "",
+    bulk: bool = False,
 ) -> list[Any]:
     assert lengths.dtype == np.int32 and ids.dtype == np.int32 and int(lengths.sum()) == ids.size
     encoded = tag.encode("ascii")
     assert len(encoded) <= TAG_BYTES and b"\0" not in encoded, "a tag is checked by logs.request_id_from"
-    header = _SUBMIT.pack(SUBMIT, request_id, deadline or NO_DEADLINE, normalize, lengths.size, encoded)
+    header = _SUBMIT.pack(SUBMIT, request_id, deadline or NO_DEADLINE, normalize, bulk, lengths.size, encoded)
     return [header, lengths, ids]
 
 
 def parse_submit(frames: list[bytes]) -> Submit:
-    _, request_id, deadline, normalize, n, tag = _SUBMIT.unpack(frames[0])
+    _, request_id, deadline, normalize, bulk, n, tag = _SUBMIT.unpack(frames[0])
     lengths = np.frombuffer(frames[1], dtype=np.int32)
     ids = np.frombuffer(frames[2], dtype=np.int32)
     assert lengths.size == n and int(lengths.sum()) == ids.size, "malformed SUBMIT"
     deadline = deadline if deadline != NO_DEADLINE else None
-    return Submit(request_id, deadline, bool(normalize), lengths, ids, tag.rstrip(b"\0").decode("ascii"))
+    tag = tag.rstrip(b"\0").decode("ascii")
+    return Submit(request_id, deadline, bool(normalize), lengths, ids, tag, bool(bulk))
 
 
 def cancel(request_id: int) -> list[bytes]:

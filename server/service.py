@@ -219,6 +219,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
 
     async def _embed(self, request: pb.EmbedRequest, deadline: float | None, held: Hold) -> pb.EmbedResponse:
         fmt = _format(request.format)
+        bulk = _bulk(request.priority)
         # Before a Python object is made per input: 600k one-character texts cost a front ~3x its
         # idle memory and a second of its event loop when counted only after list() (16 callers).
         self.embedder.tokenizer.check_count(_inputs(request), field=_inputs_field(request))
@@ -228,6 +229,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             truncate=request.truncate if request.HasField("truncate") else True,
             normalize=request.normalize if request.HasField("normalize") else True,
             deadline=deadline,
+            bulk=bulk,
             request_id=logs.current_request_id.get(),
         )
         return _response(await self.embedder.embed(job, held), fmt)
@@ -409,6 +411,19 @@ def _format(value: int) -> int:
         f"format is {value}, not an EmbeddingFormat: send {', '.join(others)} or {last}",
         "UNKNOWN_FORMAT",
         "format",
+        value=value,
+    )
+
+
+def _bulk(value: int) -> bool:
+    """Whether the request's Priority is PRIORITY_BULK; a value the enum lacks is refused."""
+    if value in pb.Priority.values():
+        return value == pb.PRIORITY_BULK
+    *others, last = (f"{name} ({number})" for name, number in pb.Priority.items())
+    raise InvalidInput(
+        f"priority is {value}, not a Priority: send {', '.join(others)} or {last}",
+        "UNKNOWN_PRIORITY",
+        "priority",
         value=value,
     )
 

@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from minilm_embed.server import protocol
-from minilm_embed.server.batcher import check_capacity
+from minilm_embed.server.batcher import bulk_limit, check_capacity
 from minilm_embed.server.errors import NotReady, Overloaded, ServiceError
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class EngineClient:
     front: int
     dimensions: int
     queue_limit: int
+    bulk_queue_share: float
     depth: Any  # shared value: the engine's queue depth, read for admission before tokenizing
     metrics: Any
     gone: str = ""  # why the engine can no longer answer, once it cannot
@@ -73,16 +74,23 @@ class EngineClient:
         self._channel.send(protocol.hello(self.front))
         return await self._ready
 
-    def check_capacity(self, count: int) -> None:
+    def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Admission before tokenizing, against the engine's published queue depth."""
+        limit = bulk_limit(self.queue_limit, self.bulk_queue_share) if bulk else None
         try:
-            check_capacity(int(self.depth.value), count, self.queue_limit)
+            check_capacity(int(self.depth.value), count, self.queue_limit, limit)
         except Overloaded:
             self.metrics.refusals.labels("queue").inc()
             raise
 
     async def embed(
-        self, lengths: np.ndarray, ids: np.ndarray, deadline: float | None, normalize: bool, tag: str = ""
+        self,
+        lengths: np.ndarray,
+        ids: np.ndarray,
+        deadline: float | None,
+        normalize: bool,
+        tag: str = "",
+        bulk: bool = False,
     ) -> Answer:
         if self.gone:
             raise NotReady(self.gone, self.gone_reason)
@@ -91,7 +99,7 @@ class EngineClient:
         self._pending[request_id] = future
         try:
             sent = time.perf_counter()
-            self._channel.send(protocol.submit(request_id, deadline, normalize, lengths, ids, tag))
+            self._channel.send(protocol.submit(request_id, deadline, normalize, lengths, ids, tag, bulk))
             result = await future
             received = time.perf_counter()
         except asyncio.CancelledError:

@@ -594,3 +594,94 @@ def test_a_batch_may_hold_more_inputs_than_the_window_when_the_batch_size_allows
 
     assert first_ids(run(scenario)) == list(range(10, 18))
     assert [len(ids) for ids, _ in model.batches] == [1, 8]
+
+
+# Priority --------------------------------------------------------------------------------------------
+
+
+def test_an_interactive_request_is_batched_before_the_bulk_inputs_queued_ahead_of_it():
+    """A bulk job's queued inputs do not hold up a caller who waits: it takes the next batches, and
+    the bulk inputs follow in their own order, none lost."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, max_batch_size=2)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)  # the model is busy with it
+            bulk = batcher.enqueue(Rows.of([[10, 5], [11, 5], [12, 5], [13, 5]]), bulk=True)
+            more_bulk = batcher.enqueue(Rows.of([[14, 5]]), bulk=True)
+            interactive = batcher.enqueue(Rows.of([[20, 5], [21, 5], [22, 5]]))
+            assert batcher.depth == 8
+            model.gate.set()
+            return await first, await bulk.future, await more_bulk.future, await interactive.future
+        finally:
+            await batcher.stop()
+
+    first, bulk, more_bulk, interactive = run(scenario)
+    # Interactive inputs batch among themselves: 22 runs alone rather than wait for 10's compute too.
+    batches = [[int(i) for i in ids[:, 0]] for ids, _ in model.batches]
+    assert batches == [[1], [20, 21], [22], [10, 11], [12, 13], [14]]
+    assert (first_ids(first), first_ids(bulk), first_ids(more_bulk)) == ([1], [10, 11, 12, 13], [14])
+    assert first_ids(interactive) == [20, 21, 22]
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+def test_interactive_requests_keep_their_order_among_themselves_and_ahead_of_bulk_ones():
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, max_batch_size=1)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)
+            queued = [
+                batcher.enqueue(Rows.of([[10, 5]]), bulk=True),
+                batcher.enqueue(Rows.of([[20, 5], [21, 5]])),
+                batcher.enqueue(Rows.of([[11, 5]]), bulk=True),
+                batcher.enqueue(Rows.of([[22, 5]])),
+            ]
+            model.gate.set()
+            await first
+            return [first_ids(await r.future) for r in queued]
+        finally:
+            await batcher.stop()
+
+    assert run(scenario) == [[10], [20, 21], [11], [22]]
+    assert model.first_ids_seen() == [1, 20, 21, 22, 10, 11]
+
+
+def test_bulk_requests_may_fill_only_their_share_of_the_queue():
+    model = FakeModel(blocked=True)
+    limits = BatchLimits(64, 8, 0.0, 8, bulk_queue_share=0.5)
+    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)
+            bulk = batcher.enqueue(Rows.of([[10, 5]] * 3), bulk=True)
+            with pytest.raises(Overloaded, match="queue full for bulk requests: 3 inputs waiting") as e:
+                batcher.enqueue(Rows.of([[11, 5]] * 2), bulk=True)  # 5 past the 4 bulk places
+            assert (e.value.reason, e.value.metadata["setting"], e.value.metadata["limit"]) == (
+                "QUEUE_FULL",
+                "bulk_queue_share",
+                "4",
+            )
+            with pytest.raises(InvalidInput, match="5 inputs can never fit the 4 places"):
+                batcher.enqueue(Rows.of([[12, 5]] * 5), bulk=True)
+            interactive = batcher.enqueue(Rows.of([[20, 5]] * 5))  # the whole queue is theirs: 8 of 8
+            with pytest.raises(Overloaded, match="queue_limit is 8"):
+                batcher.enqueue(Rows.of([[21, 5]]))
+            model.gate.set()
+            await running
+            return await bulk.future, await interactive.future
+        finally:
+            await batcher.stop()
+
+    bulk, interactive = run(scenario)
+    assert (first_ids(bulk), first_ids(interactive)) == ([10] * 3, [20] * 5)
+    assert sample(batcher, "embed_requests_refused_total", reason="queue") == 2

@@ -172,6 +172,29 @@ def test_refusals_from_a_full_queue_are_retried_until_every_row_is_written(tmp_p
     assert_close(vectors[:50], want)
 
 
+def test_a_job_is_sent_as_bulk_unless_asked_to_be_interactive(tmp_path):
+    """Bulk requests may fill --bulk-queue-share of the queue (2 of 8 places here): a job's requests of
+    4 texts can never fit that, and are refused by name; the same job sent as interactive runs."""
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(corpus(12)) + "\n", encoding="utf-8")
+    with serving("--queue-limit", "8", "--bulk-queue-share", "0.25") as server:
+        refused = embed_file(server, str(path), "--out", str(tmp_path / "bulk.npy"), "--batch-size", "4")
+        done = embed_file(
+            server,
+            str(path),
+            "--out",
+            str(tmp_path / "v.npy"),
+            "--batch-size",
+            "4",
+            "--priority",
+            "interactive",
+        )
+    assert refused.returncode != 0
+    assert "4 inputs can never fit the 2 places of the queue_limit of 8" in refused.stderr, refused.stderr
+    assert done.returncode == 0, done.stderr
+    assert np.load(tmp_path / "v.npy").shape == (12, 384)
+
+
 def start_job(server: ServerProcess, *args: str) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file", *args]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

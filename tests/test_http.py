@@ -326,6 +326,12 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             ["'hex'", "float or base64"],
         ),
         ({"model": "m"}, "input", "no_inputs", ["`input` is required"]),
+        (
+            {"input": "a", "priority": "urgent"},
+            "priority",
+            "unknown_priority",
+            ["`priority` is 'urgent'", "interactive or bulk"],
+        ),
     ],
 )
 def test_invalid_requests_get_400_in_openais_shape_naming_the_limit(server, body, param, code, named):
@@ -548,6 +554,13 @@ def test_truncate_true_or_null_cuts_a_long_input_as_by_default(server, grpc_vect
         assert_close(np.array([response.data[0].embedding]), want)
         ids = create(server, input=whole, encoding_format="float", extra_body={"truncate": truncate})
         assert ids.usage.total_tokens == 256
+
+
+def test_priority_bulk_or_interactive_gives_the_same_vectors(server, grpc_vectors):
+    """gRPC's `priority`, an extension to OpenAI's request as `truncate` is."""
+    for priority in ("bulk", "interactive", None):
+        response = create(server, input=[LONG], encoding_format="float", extra_body={"priority": priority})
+        assert_close(np.array([response.data[0].embedding]), grpc_vectors[-1:])
 
 
 def test_metrics_count_http_calls_beside_grpc(server):

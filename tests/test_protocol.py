@@ -32,6 +32,13 @@ def test_a_tag_longer_than_the_header_holds_is_a_programming_error():
         protocol.submit(1, None, False, one, one, "t" * (protocol.TAG_BYTES + 1))
 
 
+def test_a_bulk_request_reaches_the_engine_as_bulk():
+    lengths, ids = np.array([2], dtype=np.int32), np.array([101, 102], dtype=np.int32)
+    for bulk in (False, True):
+        frames = protocol.submit(3, None, True, lengths, ids, "tag", bulk)
+        assert protocol.parse_submit([bytes(f) for f in frames]).bulk is bulk
+
+
 def test_an_engine_refusal_reaches_the_front_as_the_same_error():
     """A failed RESULT carries the error's class (by its status), message, reason, field and
     metadata: the front's google.rpc details say what the engine's error said."""

@@ -344,6 +344,14 @@ INVALID = {
         "format",
         {"value": "7"},
     ),
+    "unknown priority": (
+        pb.EmbedRequest(texts=["a"], priority=9),  # type: ignore[arg-type]
+        r"priority is 9, not a Priority: send PRIORITY_UNSPECIFIED \(0\), PRIORITY_INTERACTIVE \(1\) or "
+        r"PRIORITY_BULK \(2\)",
+        "UNKNOWN_PRIORITY",
+        "priority",
+        {"value": "9"},
+    ),
     "text over max_text_chars": (
         pb.EmbedRequest(texts=["x" * 200_001]),
         r"input 0 has 200001 characters, over the limit max_text_chars=200000",
@@ -729,6 +737,33 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     assert metric(tiny_queue_server, "embed_queue_depth") == 0
     with EmbeddingClient(tiny_queue_server.address, timeout=30) as c:
         assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving
+
+
+def test_bulk_requests_fill_only_their_share_of_the_queue_and_interactive_ones_still_get_in(
+    tiny_queue_server, reference
+):
+    """--queue-limit 4 at the default --bulk-queue-share 0.5: bulk requests may fill 2 places, so a
+    bulk flood is refused (QUEUE_FULL, naming bulk_queue_share) while interactive calls get in."""
+    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(2)]
+    bulk = embed_request(texts, priority="bulk")
+    interactive = embed_request(["an interactive query"])
+    requests = [bulk] * 30 + [interactive] * 2
+    outcomes = asyncio.run(embed_concurrently(tiny_queue_server.address, requests, 60))
+    bulk_outcomes, interactive_outcomes = outcomes[:30], outcomes[30:]
+    assert [status(o) for o in interactive_outcomes] == [grpc.StatusCode.OK] * 2, interactive_outcomes
+    codes = {status(o) for o in bulk_outcomes}
+    assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    for o in bulk_outcomes:
+        if status(o) == grpc.StatusCode.OK:
+            assert_close(to_array(o), reference.embed(texts))
+        else:
+            assert "queue full for bulk requests" in o.details(), o.details()
+            info = error_details(o)["ErrorInfo"]
+            assert (info.reason, info.metadata["setting"], info.metadata["limit"]) == (
+                "QUEUE_FULL",
+                "bulk_queue_share",
+                "2",
+            )
 
 
 def test_a_request_the_full_queue_cannot_take_is_refused_before_it_is_tokenized():

@@ -35,6 +35,7 @@ SPECIAL = {
     "log_format": ("json", "text"),  # one value besides the default: the flag wins back to it
     "precision": ("fp32", "int8"),
     "max_padding": ("0.3", "0.7"),
+    "bulk_queue_share": ("0.25", "0.75"),
     "address": ("127.0.0.1:50061", "[::1]:50071"),
     "http_address": ("127.0.0.1:8081", "0.0.0.0:8082"),
     "metrics_address": ("127.0.0.1:9465", "[::]:9466"),
@@ -122,6 +123,12 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         ),
         (["--threads", "-2"], {}, "--threads (EMBED_THREADS) must be 0 (auto) or more, not -2"),
         (["--max-padding", "2"], {}, "--max-padding (EMBED_MAX_PADDING) must be between 0 and 1, not 2.0"),
+        (
+            ["--bulk-queue-share", "0"],
+            {},
+            "--bulk-queue-share (EMBED_BULK_QUEUE_SHARE) must be above 0 and at most 1, not 0.0",
+        ),
+        ([], {"EMBED_BULK_QUEUE_SHARE": "1.5"}, "must be above 0 and at most 1, not 1.5"),
         (
             ["--max-request-bytes-in-flight", "1024"],
             {},
