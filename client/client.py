@@ -212,21 +212,26 @@ class EmbeddingClient:
         max_message_bytes a message. A failed call raises a client.errors exception: InvalidInput
         (the limit or rule, named), Overloaded (queue full: back off), TooLarge (a message over the
         size limit), Unavailable, Unauthenticated, DeadlineExceeded. `priority="bulk"` for work
-        nobody waits on (indexing): batched after interactive requests, and refused (Overloaded)
-        once the server's queue holds its --bulk-queue-share.
+        nobody waits on (indexing): batched after interactive requests, and admitted only while the
+        server's queue holds less than its --bulk-queue-share (else Overloaded: back off).
         """
         request = embed_request(texts, normalize=normalize, truncate=truncate, priority=priority)
         return to_array(self.embed_response(request))
 
     def embed_ids(
-        self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True
+        self,
+        token_ids: Sequence[Sequence[int]],
+        normalize: bool = True,
+        truncate: bool = True,
+        priority: str = "interactive",
     ) -> np.ndarray:
         """(N, D) float32 vectors for token-id sequences from the model's tokenizer (the server's
         `tokenize`), each framed by [CLS] (101) and [SEP] (102) as `tokenize` returns them;
-        `truncate=False` refuses a sequence over 256 ids. Limits and errors as `embed`'s."""
-        return to_array(
-            self.embed_response(embed_request(token_ids=token_ids, normalize=normalize, truncate=truncate))
+        `truncate=False` refuses a sequence over 256 ids. Limits, errors and priority as `embed`'s."""
+        request = embed_request(
+            token_ids=token_ids, normalize=normalize, truncate=truncate, priority=priority
         )
+        return to_array(self.embed_response(request))
 
     def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
@@ -307,10 +312,16 @@ class AsyncEmbeddingClient:
         return to_array(await self.embed_response(request))
 
     async def embed_ids(
-        self, token_ids: Sequence[Sequence[int]], normalize: bool = True, truncate: bool = True
+        self,
+        token_ids: Sequence[Sequence[int]],
+        normalize: bool = True,
+        truncate: bool = True,
+        priority: str = "interactive",
     ) -> np.ndarray:
         """As EmbeddingClient.embed_ids, awaited."""
-        request = embed_request(token_ids=token_ids, normalize=normalize, truncate=truncate)
+        request = embed_request(
+            token_ids=token_ids, normalize=normalize, truncate=truncate, priority=priority
+        )
         return to_array(await self.embed_response(request))
 
     async def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:

@@ -53,11 +53,7 @@ class BatchLimits:
     queue_limit: int
     max_padding: float = 1.0
     window: int = 256  # how far into the queue a batch may look for inputs of similar length
-    bulk_queue_share: float = 1.0  # of queue_limit, what bulk requests may fill
-
-    @property
-    def bulk_limit(self) -> int:
-        return bulk_limit(self.queue_limit, self.bulk_queue_share)
+    bulk_queue_share: float = 1.0  # of queue_limit, below which bulk requests are admitted
 
     @property
     def lookahead(self) -> int:
@@ -66,36 +62,29 @@ class BatchLimits:
         return max(self.window, self.max_batch_size)
 
 
-def bulk_limit(queue_limit: int, share: float) -> int:
-    """The inputs waiting past which a bulk request is refused."""
-    return max(1, int(queue_limit * share))
+BULK_SETTING = "bulk_queue_share"
 
 
-def check_capacity(waiting: int, count: int, queue_limit: int, bulk_limit: int | None = None) -> None:
+def check_capacity(waiting: int, count: int, queue_limit: int, bulk_share: float | None = None) -> None:
     """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival).
-    `bulk_limit`: for a bulk request, the inputs waiting it may fill the queue to."""
-    if bulk_limit is not None and bulk_limit < queue_limit:
-        share = (
-            f"the {bulk_limit} places of the queue_limit of {queue_limit} bulk requests may fill "
-            "(bulk_queue_share)"
+
+    `bulk_share`, for a bulk request: it is admitted only while fewer than queue_limit x bulk_share
+    inputs wait. The share bounds where bulk work may start, not where it ends, so a bulk request as
+    large as any other fits an empty queue (a job sizes its requests by max_inputs_per_request, not
+    by the share) and interactive requests keep the queue's other share but one request.
+    """
+    if bulk_share is not None and waiting >= queue_limit * bulk_share:
+        raise Overloaded(
+            f"queue full for bulk requests: {waiting} inputs waiting, and bulk requests are admitted "
+            f"only below {queue_limit * bulk_share:g} ({BULK_SETTING} {bulk_share:g} of the queue_limit "
+            f"of {queue_limit}); retry with backoff",
+            "QUEUE_FULL",
+            setting=BULK_SETTING,
+            limit=bulk_share,
+            value=waiting,
+            queueLimit=queue_limit,
+            asked=count,
         )
-        if count > bulk_limit:
-            raise InvalidInput(
-                f"{count} inputs can never fit {share}; split the request",
-                "OVER_QUEUE_LIMIT",
-                setting="bulk_queue_share",
-                limit=bulk_limit,
-                value=count,
-            )
-        if waiting + count > bulk_limit:
-            raise Overloaded(
-                f"queue full for bulk requests: {waiting} inputs waiting, past {share}; retry with backoff",
-                "QUEUE_FULL",
-                setting="bulk_queue_share",
-                limit=bulk_limit,
-                value=waiting,
-                asked=count,
-            )
     if count > queue_limit:
         raise InvalidInput(
             f"{count} inputs can never fit the queue_limit of {queue_limit}",
@@ -248,6 +237,12 @@ def choose_batch(
     return sorted(order[lo : hi + 1])
 
 
+def refusal_label(error: Overloaded) -> str:
+    """embed_requests_refused_total's reason for a refusal by check_capacity: bulk requests held back
+    at their share (the pacing a bulk job expects) are not a full queue (which pages)."""
+    return "bulk_queue" if error.metadata.get("setting") == BULK_SETTING else "queue"
+
+
 Run = tuple[Request, int, int]  # a request, its first input, how many of its inputs
 
 
@@ -340,12 +335,11 @@ class Batcher:
 
     def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
+        share = self.limits.bulk_queue_share if bulk else None
         try:
-            check_capacity(
-                self._waiting, count, self.limits.queue_limit, self.limits.bulk_limit if bulk else None
-            )
-        except Overloaded:
-            self.metrics.refusals.labels("queue").inc()
+            check_capacity(self._waiting, count, self.limits.queue_limit, share)
+        except Overloaded as e:
+            self.metrics.refusals.labels(refusal_label(e)).inc()
             raise
 
     def enqueue(

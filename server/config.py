@@ -113,8 +113,8 @@ class ServerConfig:
     max_tokenizing_chars: int = 2 * 256 * 4096
     # Inputs waiting for a batch; past it a request is refused at once (RESOURCE_EXHAUSTED).
     queue_limit: int = 4096
-    # What share of queue_limit bulk requests (EmbedRequest.priority BULK, embed-file's) may fill:
-    # the rest stays for interactive ones, which are also batched first.
+    # Bulk requests (EmbedRequest.priority BULK, embed-file's) are admitted only while fewer than this
+    # share of queue_limit inputs wait: the rest stays for interactive ones, also batched first.
     bulk_queue_share: float = 0.5
     # 2 MiB, as text-embeddings-inference's payload limit: 256 texts of 8 kB, or 20 of 100 kB. At
     # 8 MiB, 16 callers of the largest requests took one front to 820 MB (gRPC assembles each message
@@ -313,7 +313,7 @@ _HELP = {
         "beyond it requests get RESOURCE_EXHAUSTED"
     ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
-    "bulk_queue_share": "share of queue_limit bulk requests may fill (interactive ones run first)",
+    "bulk_queue_share": "bulk requests are admitted only while fewer than this share of queue_limit wait",
     "max_message_bytes": "largest gRPC message received or sent, and largest HTTP request body",
     "max_request_bytes_in_flight": (
         "bytes of requests being parsed and tokenized per front process; beyond it requests get "

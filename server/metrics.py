@@ -47,7 +47,15 @@ DROP_REASONS = ("deadline", "cancelled", "failed")
 # bytes of requests being parsed (--max-request-bytes-in-flight), characters being tokenized
 # (--max-tokenizing-chars), gRPC calls being served (--max-concurrent-calls), HTTP connections open
 # (--http-max-connections). The first says the model is saturated, the others the fronts.
-REFUSAL_REASONS = ("queue", "request_bytes", "request_bytes_held", "tokenizing", "calls", "http_connections")
+REFUSAL_REASONS = (
+    "queue",
+    "bulk_queue",
+    "request_bytes",
+    "request_bytes_held",
+    "tokenizing",
+    "calls",
+    "http_connections",
+)
 
 
 def size_class(inputs: int) -> str:
@@ -113,7 +121,8 @@ class Metrics:
             "embed_requests_in_flight", "RPCs being served.", registry=r, multiprocess_mode="livesum"
         )
         # reason: "queue" (full; counted where admission is checked: the batcher, a front's engine
-        # client), "request_bytes" or "tokenizing" (a front's budgets, embedder.py), "calls"
+        # client), "bulk_queue" (a bulk request held back at --bulk-queue-share: pacing, not a full
+        # queue), "request_bytes" or "tokenizing" (a front's budgets, embedder.py), "calls"
         # (service.py), "http_connections" (http.py).
         self.refusals = Counter(
             "embed_requests_refused",

@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from minilm_embed.server import protocol
-from minilm_embed.server.batcher import bulk_limit, check_capacity
+from minilm_embed.server.batcher import check_capacity, refusal_label
 from minilm_embed.server.errors import NotReady, Overloaded, ServiceError
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,11 @@ class EngineClient:
 
     def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Admission before tokenizing, against the engine's published queue depth."""
-        limit = bulk_limit(self.queue_limit, self.bulk_queue_share) if bulk else None
+        share = self.bulk_queue_share if bulk else None
         try:
-            check_capacity(int(self.depth.value), count, self.queue_limit, limit)
-        except Overloaded:
-            self.metrics.refusals.labels("queue").inc()
+            check_capacity(int(self.depth.value), count, self.queue_limit, share)
+        except Overloaded as e:
+            self.metrics.refusals.labels(refusal_label(e)).inc()
             raise
 
     async def embed(

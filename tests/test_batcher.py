@@ -653,7 +653,9 @@ def test_interactive_requests_keep_their_order_among_themselves_and_ahead_of_bul
     assert model.first_ids_seen() == [1, 20, 21, 22, 10, 11]
 
 
-def test_bulk_requests_may_fill_only_their_share_of_the_queue():
+def test_bulk_requests_are_admitted_only_below_their_share_of_the_queue():
+    """queue_limit 8, bulk_queue_share 0.5: a bulk request gets in while fewer than 4 inputs wait,
+    whatever its size; past that only interactive requests do, up to the whole queue."""
     model = FakeModel(blocked=True)
     limits = BatchLimits(64, 8, 0.0, 8, bulk_queue_share=0.5)
     batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD)
@@ -663,25 +665,47 @@ def test_bulk_requests_may_fill_only_their_share_of_the_queue():
         try:
             running = asyncio.create_task(submit(batcher, [[1, 5]]))
             await wait_until(lambda: model.batches)
-            bulk = batcher.enqueue(Rows.of([[10, 5]] * 3), bulk=True)
-            with pytest.raises(Overloaded, match="queue full for bulk requests: 3 inputs waiting") as e:
-                batcher.enqueue(Rows.of([[11, 5]] * 2), bulk=True)  # 5 past the 4 bulk places
-            assert (e.value.reason, e.value.metadata["setting"], e.value.metadata["limit"]) == (
+            bulk = [batcher.enqueue(Rows.of([[10, 5]] * 3), bulk=True)]  # 0 waiting
+            bulk.append(batcher.enqueue(Rows.of([[11, 5]] * 2), bulk=True))  # 3 waiting: below 4
+            with pytest.raises(
+                Overloaded, match=r"queue full for bulk requests: 5 inputs waiting, .* below 4"
+            ) as e:
+                batcher.enqueue(Rows.of([[12, 5]]), bulk=True)
+            assert (e.value.reason, e.value.metadata) == (
                 "QUEUE_FULL",
-                "bulk_queue_share",
-                "4",
+                {
+                    "setting": "bulk_queue_share",
+                    "limit": "0.5",
+                    "value": "5",
+                    "queueLimit": "8",
+                    "asked": "1",
+                },
             )
-            with pytest.raises(InvalidInput, match="5 inputs can never fit the 4 places"):
-                batcher.enqueue(Rows.of([[12, 5]] * 5), bulk=True)
-            interactive = batcher.enqueue(Rows.of([[20, 5]] * 5))  # the whole queue is theirs: 8 of 8
+            interactive = batcher.enqueue(Rows.of([[20, 5]] * 3))  # the whole queue is theirs: 8 of 8
             with pytest.raises(Overloaded, match="queue_limit is 8"):
                 batcher.enqueue(Rows.of([[21, 5]]))
             model.gate.set()
             await running
-            return await bulk.future, await interactive.future
+            return [first_ids(await r.future) for r in (*bulk, interactive)]
         finally:
             await batcher.stop()
 
-    bulk, interactive = run(scenario)
-    assert (first_ids(bulk), first_ids(interactive)) == ([10] * 3, [20] * 5)
-    assert sample(batcher, "embed_requests_refused_total", reason="queue") == 2
+    assert run(scenario) == [[10] * 3, [11] * 2, [20] * 3]
+    # Held back at its share, a bulk request is paced, not refused by a full queue (which pages).
+    assert sample(batcher, "embed_requests_refused_total", reason="bulk_queue") == 1
+    assert sample(batcher, "embed_requests_refused_total", reason="queue") == 1
+
+
+def test_a_bulk_request_larger_than_its_share_fits_an_empty_queue():
+    """A job sizes its requests by max_inputs_per_request, not by the share: refused for ever before."""
+    model = FakeModel()
+    batcher = Batcher(model.run, BatchLimits(64, 8, 0.0, 8, bulk_queue_share=0.25), Metrics(), pad_id=PAD)
+
+    async def scenario():
+        batcher.start()
+        try:
+            return first_ids(await batcher.enqueue(Rows.of([[30, 5]] * 8), bulk=True).future)
+        finally:
+            await batcher.stop()
+
+    assert run(scenario) == [30] * 8

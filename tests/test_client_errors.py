@@ -185,3 +185,8 @@ def test_settings_a_user_gets_wrong_are_refused_or_taken_as_meant(tmp_path):
         EmbeddingClient("127.0.0.1:1", timeout=0)
     with EmbeddingClient("127.0.0.1:1") as c, pytest.raises(TypeError, match="decode it to str"):
         c.embed(b"hello")  # iterated, it was one int per byte
+
+
+def test_a_priority_that_is_neither_interactive_nor_bulk_is_refused_before_sending(server):
+    with EmbeddingClient(server.address, timeout=30) as c, pytest.raises(ValueError, match="'urgent'"):
+        c.embed(["a query"], priority="urgent")

@@ -615,9 +615,9 @@ def held_server() -> Iterator[ServerProcess]:
         yield process
 
 
-async def _embed_at_once(url: str, texts: list[str], times: int) -> list[object]:
+async def _embed_at_once(url: str, texts: list[str], times: int, **extra: object) -> list[object]:
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as c:
-        calls = [c.embeddings.create(model="m", input=texts) for _ in range(times)]
+        calls = [c.embeddings.create(model="m", input=texts, extra_body=extra or None) for _ in range(times)]
         return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -637,6 +637,18 @@ def test_a_full_queue_is_refused_with_429_naming_the_limit(held_server, grpc_cli
         held_server, "embed_requests_total", method="http_embeddings", code="RESOURCE_EXHAUSTED"
     )
     assert refusals == len(refused)
+
+
+# After the full-queue test, which counts every 429 the held server has answered.
+def test_bulk_calls_are_held_back_at_their_share_of_the_queue(held_server):
+    """`"priority": "bulk"` reaches the queue: with 4 places and --bulk-queue-share 0.5, bulk calls
+    are admitted only while fewer than 2 inputs wait, and the rest get 429 saying so."""
+    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(2)]
+    outcomes = asyncio.run(_embed_at_once(held_server.http_url, texts, 30, priority="bulk"))
+    refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    assert refused and len(refused) < 30, outcomes
+    assert all("queue full for bulk requests" in e.message for e in refused), refused[0].message
+    assert refused[0].body["code"] == "queue_full"  # type: ignore[index]
 
 
 def test_a_client_that_disconnects_has_its_inputs_dropped_before_compute(held_server):

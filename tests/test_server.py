@@ -739,31 +739,34 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
         assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving
 
 
-def test_bulk_requests_fill_only_their_share_of_the_queue_and_interactive_ones_still_get_in(
+def test_bulk_requests_are_held_back_at_their_share_of_the_queue_and_interactive_ones_get_in(
     tiny_queue_server, reference
 ):
-    """--queue-limit 4 at the default --bulk-queue-share 0.5: bulk requests may fill 2 places, so a
-    bulk flood is refused (QUEUE_FULL, naming bulk_queue_share) while interactive calls get in."""
+    """--queue-limit 4 at the default --bulk-queue-share 0.5: bulk requests are admitted only while
+    fewer than 2 inputs wait (at most 3 then), so the interactive call always finds its place."""
     texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(2)]
-    bulk = embed_request(texts, priority="bulk")
-    interactive = embed_request(["an interactive query"])
-    requests = [bulk] * 30 + [interactive] * 2
+    bulk_before = metric(tiny_queue_server, "embed_requests_refused_total", reason="bulk_queue")
+    requests = [embed_request(texts, priority="bulk")] * 30 + [embed_request(["an interactive query"])]
     outcomes = asyncio.run(embed_concurrently(tiny_queue_server.address, requests, 60))
-    bulk_outcomes, interactive_outcomes = outcomes[:30], outcomes[30:]
-    assert [status(o) for o in interactive_outcomes] == [grpc.StatusCode.OK] * 2, interactive_outcomes
+    assert status(outcomes[-1]) == grpc.StatusCode.OK, outcomes[-1]
+    bulk_outcomes = outcomes[:-1]
     codes = {status(o) for o in bulk_outcomes}
     assert codes == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    refused = [o for o in bulk_outcomes if status(o) == grpc.StatusCode.RESOURCE_EXHAUSTED]
     for o in bulk_outcomes:
         if status(o) == grpc.StatusCode.OK:
             assert_close(to_array(o), reference.embed(texts))
-        else:
-            assert "queue full for bulk requests" in o.details(), o.details()
-            info = error_details(o)["ErrorInfo"]
-            assert (info.reason, info.metadata["setting"], info.metadata["limit"]) == (
-                "QUEUE_FULL",
-                "bulk_queue_share",
-                "2",
-            )
+    for o in refused:
+        assert "queue full for bulk requests" in o.details(), o.details()
+        info = error_details(o)["ErrorInfo"]
+        assert (info.reason, info.metadata["setting"], info.metadata["limit"]) == (
+            "QUEUE_FULL",
+            "bulk_queue_share",
+            "0.5",
+        )
+    # Counted as pacing, not as a full queue (EmbedQueueSaturated pages on that).
+    bulk_after = metric(tiny_queue_server, "embed_requests_refused_total", reason="bulk_queue")
+    assert bulk_after - bulk_before == len(refused)
 
 
 def test_a_request_the_full_queue_cannot_take_is_refused_before_it_is_tokenized():
