@@ -4,8 +4,8 @@ request was before priorities), on one server, taking turns.
 
     python bench/bench_priority.py [--model-dir build/model] [--data-dir ../shared/data]
 
-The job: --callers processes' worth of callers (16, as embed-file's --concurrency) each sending
---batch-size (32) STS-B sentences a request, back to back, from a process of its own. The probe: one
+The job: --callers callers (16, as embed-file's --concurrency), in a process of their own, each
+sending --batch-size (32) STS-B sentences a request, back to back. The probe: one
 sentence, interactive, every 100 ms from this process, on its own connection. Reported per round:
 the probe's p50, p99 and max, and the job's sentences a second (what priority costs the job).
 """

@@ -3,16 +3,18 @@
 Inputs wait in one queue, interactive requests' inputs ahead of bulk ones (each kind in arrival
 order): a bulk job (`embed-file`, an ingestion pipeline) fills the batches the interactive traffic
 leaves, and an interactive request waits for the batch in compute, not for the bulk work queued
-before it. Bulk requests may fill only `bulk_queue_share` of the queue, so the rest stays for
-interactive ones. A batch always holds the input at the head of the queue (so none starves within
-its kind) and grows with its neighbours in length order, taken from a window at the head of the
-queue (the interactive inputs only, while there are any: a query does not wait for bulk neighbours'
-compute), choosing at each step the neighbour that adds the least padding, while the padded cost
-(rows x longest row) stays within the token budget and the rows within the batch size. The batch
-is padded here and its per-row lengths go to the model, which builds its attention mask from them
-(and skips the padding in every per-token layer, so padding costs only attention's share). Inputs
-whose caller cancelled, or whose deadline passed, are dropped before compute. A full queue refuses
-new work at once, so memory stays bounded under any load.
+before it. A bulk request is admitted only while less than `bulk_queue_share` of the queue is
+taken, so the rest stays for interactive ones.
+
+A batch always holds the input at the head of the queue (so none starves within its kind) and grows
+with its neighbours in length order, taken from a window at the head of the queue (the interactive
+inputs only, while there are any: a query does not wait for bulk neighbours' compute), choosing at
+each step the neighbour that adds the least padding, while the padded cost (rows x longest row)
+stays within the token budget and the rows within the batch size. The batch is padded here and its
+per-row lengths go to the model, which builds its attention mask from them (and skips the padding in
+every per-token layer, so padding costs only attention's share). Inputs whose caller cancelled, or
+whose deadline passed, are dropped before compute. A full queue refuses new work at once, so memory
+stays bounded under any load.
 
 A request's inputs arrive as two arrays (lengths, and every token id one after another) and leave
 as one (n, D) array per output, filled in place as its batches finish: no per-input futures.
@@ -468,8 +470,9 @@ class Batcher:
         """
         now = time.monotonic()
         size = min(self.limits.lookahead, len(self._queue))
-        if self._interactive:  # interactive inputs batch among themselves: a query waiting for a
-            size = min(size, self._interactive)  # batch of bulk neighbours would wait for their compute too
+        # Interactive inputs batch among themselves (a query batched with bulk neighbours would wait
+        # for their compute too), so the window is all interactive or all bulk.
+        size = min(size, self._interactive or size)
         head = self._queue[:size]
         requests = dict.fromkeys(map(operator.itemgetter(0), head))
         dead = {r: why for r in requests if (why := self._drop_reason(r, now))}
@@ -483,7 +486,7 @@ class Batcher:
                 self._dead = max(0, self._dead - count)
         if not window:
             del self._queue[:size]
-            self._interactive = max(0, self._interactive - size)
+            self._interactive -= size if self._interactive else 0
             self._depth_changed()
             return []
         lengths = [request.sizes[i] for request, i in window]
@@ -492,8 +495,7 @@ class Batcher:
         )
         taken = set(chosen)
         rest = [e for i, e in enumerate(window) if i not in taken]  # in order
-        # The window is the queue's head, so its interactive entries are the queue's first ones.
-        self._interactive -= min(self._interactive, size) - sum(1 for request, _ in rest if not request.bulk)
+        self._interactive -= size - len(rest) if self._interactive else 0
         self._queue[:size] = rest
         batch = [window[i] for i in chosen]
         for request, _ in batch:  # live requests: an ended one's inputs are not chosen

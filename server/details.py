@@ -17,7 +17,6 @@ from minilm_embed.server.errors import ERROR_DOMAIN, RETRY_AFTER_S, ServiceError
 
 Trailing = tuple[tuple[str, str | bytes], ...]
 
-INTERNAL_MESSAGE = "internal error; see the server log"
 RETRYABLE = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
 
 
@@ -37,10 +36,3 @@ def details(error: ServiceError) -> Trailing:
         delay = duration_pb2.Duration(seconds=RETRY_AFTER_S)
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
     return tuple(rpc_status.to_status(status).trailing_metadata)
-
-
-def internal() -> ServiceError:
-    """What a caller is told of a bug: INTERNAL, the details in the server's log."""
-    error = ServiceError(INTERNAL_MESSAGE, "INTERNAL_ERROR")
-    error.code = grpc.StatusCode.INTERNAL
-    return error

@@ -16,7 +16,7 @@ from minilm_embed.server.budget import Budget, Hold
 from minilm_embed.server.errors import InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.readiness import Readiness
-from minilm_embed.server.tokenization import Prepared, RequestTokenizer, tokenizing_cost
+from minilm_embed.server.tokenization import Prepared, RequestTokenizer, inputs_field, tokenizing_cost
 from minilm_embed.server.transport import Answer, EngineClient
 
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
@@ -126,9 +126,7 @@ class Embedder:
             raise InvalidInput(
                 "set either `texts` or `token_ids`, not both", "TEXTS_AND_TOKEN_IDS", "token_ids"
             )
-        self.tokenizer.check_count(
-            job.count, field="texts" if job.texts or not job.token_ids else "token_ids"
-        )
+        self.tokenizer.check_count(job.count, field=inputs_field(job.texts, job.token_ids))
         self.engine.check_capacity(job.count, job.bulk)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)

@@ -29,13 +29,11 @@ from minilm_embed.server import logs, protocol
 from minilm_embed.server.backend import ModelRepository, OnnxBackend, bucket_warm_shapes, open_repository
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Rows, RunFn
 from minilm_embed.server.config import ServerConfig, batch_limits_for
-from minilm_embed.server.errors import ServiceError
+from minilm_embed.server.errors import ServiceError, internal
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.proctitle import name_process
 
 log = logging.getLogger(__name__)
-
-INTERNAL = 13  # gRPC status code number
 
 
 class Backend(Protocol):
@@ -258,9 +256,7 @@ def _answer(message: protocol.Submit, future: asyncio.Future[Done]) -> list[Any]
         return _failure(message.request_id, error)
     if error is not None:
         log.error("request failed in the engine", exc_info=error, extra={"request_id": message.tag})
-        return protocol.failure(
-            message.request_id, INTERNAL, "internal error; see the server log", "INTERNAL_ERROR"
-        )
+        return _failure(message.request_id, internal())
     done = future.result()
     vectors = done.embeddings if message.normalize else done.pooled
     return protocol.result(message.request_id, int(done.queue_s * 1e6), int(done.inference_s * 1e6), vectors)

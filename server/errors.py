@@ -89,3 +89,12 @@ class ClientGone(ServiceError):
 class BackendFailure(ServiceError):
     code = grpc.StatusCode.INTERNAL
     reason = "MODEL_RUN_FAILED"
+
+
+INTERNAL_MESSAGE = "internal error; see the server log"
+
+
+def internal() -> ServiceError:
+    """What a caller is told of a bug (the details are in the server's log): INTERNAL, reason
+    INTERNAL_ERROR. The fronts, gRPC's and HTTP's, and the engine all answer it so."""
+    return BackendFailure(INTERNAL_MESSAGE, "INTERNAL_ERROR")

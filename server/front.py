@@ -296,7 +296,10 @@ async def start(front: Front) -> protocol.EngineFacts:
 
 
 async def drain(
-    front: Front, index: int, reason: str = "the server is shutting down", code: str = "SHUTTING_DOWN"
+    front: Front,
+    index: int,
+    reason: str = "the server is shutting down",
+    error_reason: str = "SHUTTING_DOWN",
 ) -> None:
     """NOT_SERVING, then let clients move away before the listener closes, then finish accepted calls.
 
@@ -304,7 +307,7 @@ async def drain(
     (gRPC then cancels them; uvicorn cancels its requests): a front that never served says nothing,
     so a server that cannot start stops with its one line of why."""
     served = front.readiness.ready
-    await front.readiness.not_serving(reason, code)
+    await front.readiness.not_serving(reason, error_reason)
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first.
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))

@@ -55,6 +55,7 @@ from minilm_embed.server.errors import (
     SlowBody,
     TooLarge,
     Unauthenticated,
+    internal,
 )
 from minilm_embed.server.metrics import HTTP_EMBEDDINGS, HTTP_MODELS, Metrics, size_class
 from minilm_embed.server.security import bearer_matches
@@ -82,7 +83,6 @@ ROUTING_CODES = {404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMEN
 # The endpoints' route templates (a traced call's span is named by its template, not its path).
 EMBEDDINGS_ROUTE, MODELS_ROUTE, MODEL_ROUTE = "/v1/embeddings", "/v1/models", "/v1/models/{model:path}"
 UNAUTHENTICATED = "missing or invalid bearer token (send the header `Authorization: Bearer <token>`)"
-INTERNAL = "internal error; see the server log"
 FORMATS = ("float", "base64")
 PRIORITIES = ("interactive", "bulk")
 SHAPES = "send a list of strings, a list of token ids (integers), or a list of lists of token ids"
@@ -282,7 +282,7 @@ class HttpApi:
         except Exception:
             log.exception("%s failed", method)
             code = grpc.StatusCode.INTERNAL
-            response = error_response(BackendFailure(INTERNAL, "INTERNAL_ERROR"))
+            response = error_response(internal())
         finally:
             self.metrics.requests.labels(method, code.name).inc()  # before leaving in-flight, as gRPC
             self.metrics.in_flight.dec()

@@ -27,10 +27,11 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold, Places
-from minilm_embed.server.details import INTERNAL_MESSAGE, Trailing, details, internal
+from minilm_embed.server.details import Trailing, details
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
-from minilm_embed.server.errors import InvalidInput, NotReady, Overloaded, ServiceError
+from minilm_embed.server.errors import InvalidInput, NotReady, Overloaded, ServiceError, internal
 from minilm_embed.server.metrics import Metrics, size_class
+from minilm_embed.server.tokenization import inputs_field
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,11 +180,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             raise
         except Exception:
             log.exception("%s failed", method)
-            code, message, trailing = (
-                grpc.StatusCode.INTERNAL,
-                INTERNAL_MESSAGE,
-                trailing + details(internal()),
-            )
+            bug = internal()
+            code, message, trailing = bug.code, str(bug), trailing + details(bug)
         finally:
             self._record(method, code, started, inputs)
         await context.abort(code, message, trailing)
@@ -222,7 +220,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         bulk = _bulk(request.priority)
         # Before a Python object is made per input: 600k one-character texts cost a front ~3x its
         # idle memory and a second of its event loop when counted only after list() (16 callers).
-        self.embedder.tokenizer.check_count(_inputs(request), field=_inputs_field(request))
+        field = inputs_field(request.texts, request.token_ids)
+        self.embedder.tokenizer.check_count(_inputs(request), field=field)
         job = EmbedJob(
             texts=list(request.texts),  # one list: each read of a protobuf string decodes it again
             token_ids=[t.ids for t in request.token_ids],
@@ -388,11 +387,6 @@ def _counted_stream(
             service.places.give_back()
 
     return call
-
-
-def _inputs_field(request: pb.EmbedRequest) -> str:
-    """The field `_inputs` counts."""
-    return "texts" if request.texts or not request.token_ids else "token_ids"
 
 
 def _inputs(request: object) -> int:

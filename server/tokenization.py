@@ -194,6 +194,11 @@ class RequestTokenizer:
             )
 
 
+def inputs_field(texts: Sequence[object], token_ids: Sequence[object]) -> str:
+    """The request field whose inputs are counted (`texts` unless only `token_ids` is set)."""
+    return "texts" if texts or not token_ids else "token_ids"
+
+
 def tokenizing_cost(texts: Sequence[str], whole: bool = False) -> int:
     """Characters the tokenizer reads for these texts: a long text's prefix, unless `whole`."""
     return sum(len(t) if whole else min(len(t), PREFIX_CHARS) for t in texts)

@@ -627,7 +627,8 @@ def test_a_client_gone_silent_has_its_open_stream_ended_by_the_servers_pings():
             # and the gauge just after could see neither, so the wait is on the counter. Counted
             # CANCELLED, or OK: when the dead connection's end of input reaches the handler before
             # gRPC's cancel (grpc.aio tells a handler nothing else), the stream returns as after a
-            # half-close (a clean-clone run and a `make test` run each counted it OK once).
+            # half-close (a `make test` run counted it OK; an earlier clean-clone failure, from before
+            # the test said how the stream was counted, was most likely the same).
             def ended() -> bool:
                 return (
                     sum(
