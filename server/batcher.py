@@ -306,6 +306,7 @@ class Batcher:
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
     _waiting: int = 0
+    _waiting_bulk: int = 0  # of _waiting, the bulk inputs
     # Inputs of ended requests still in the queue. Past queue_limit of them the queue is swept (at
     # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
     # cancel while every instance computes, for one).
@@ -364,6 +365,7 @@ class Batcher:
             self._queue[self._interactive : self._interactive] = entries
             self._interactive += len(rows)
         self._waiting += len(rows)
+        self._waiting_bulk += len(rows) if bulk else 0
         self._depth_changed()
         self._wakeup.set()
         return request
@@ -392,6 +394,7 @@ class Batcher:
         an event-loop turn; one cancelled elsewhere is accounted when the queue's head reaches it."""
         if request.queued:
             self._waiting -= request.queued
+            self._waiting_bulk -= request.queued if request.bulk else 0
             self._dead += request.queued
             request.queued = 0
             self._depth_changed()
@@ -410,6 +413,7 @@ class Batcher:
 
     def _depth_changed(self) -> None:
         self.metrics.queue_depth.set(self._waiting)
+        self.metrics.queue_interactive_depth.set(self._waiting - self._waiting_bulk)
         self.on_depth(self._waiting)
 
     async def _loop(self) -> None:
@@ -501,6 +505,7 @@ class Batcher:
         for request, _ in batch:  # live requests: an ended one's inputs are not chosen
             request.queued -= 1
         self._waiting -= len(batch)
+        self._waiting_bulk -= len(batch) if batch[0][0].bulk else 0  # a window is all of one kind
         self._depth_changed()
         return batch
 

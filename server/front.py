@@ -147,6 +147,7 @@ def build_info(
         queue_limit=config.queue_limit,
         max_message_bytes=config.max_message_bytes,
         max_stream_in_flight=config.max_stream_in_flight,
+        bulk_queue_share=config.bulk_queue_share,
     )
     versions = {
         "server": __version__,

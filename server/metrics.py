@@ -117,6 +117,12 @@ class Metrics:
         self.queue_depth = Gauge(
             "embed_queue_depth", "Inputs waiting for a batch.", registry=r, multiprocess_mode="livesum"
         )
+        self.queue_interactive_depth = Gauge(
+            "embed_queue_interactive_depth",
+            "Of embed_queue_depth, the inputs of interactive requests.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.in_flight = Gauge(
             "embed_requests_in_flight", "RPCs being served.", registry=r, multiprocess_mode="livesum"
         )

@@ -628,6 +628,47 @@ def test_an_interactive_request_is_batched_before_the_bulk_inputs_queued_ahead_o
     assert sample(batcher, "embed_queue_depth") == 0
 
 
+def test_the_interactive_queue_depth_leaves_out_the_bulk_inputs_waiting():
+    """embed_queue_interactive_depth counts the queue's interactive inputs, beside embed_queue_depth,
+    as inputs come in, leave with a cancel and leave into batches; bulk inputs never count there."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model, max_batch_size=2)
+    seen: list[tuple[float, float]] = []  # depths() as each batch reaches the model
+    run_model = model.run
+
+    def depths() -> tuple[float, float]:
+        return sample(batcher, "embed_queue_depth"), sample(batcher, "embed_queue_interactive_depth")
+
+    def observed(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        seen.append(depths())
+        return run_model(ids, lengths)
+
+    batcher.run = observed
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)
+            bulk = batcher.enqueue(Rows.of([[10, 5], [11, 5], [12, 5], [13, 5]]), bulk=True)
+            gone = batcher.enqueue(Rows.of([[14, 5]]), bulk=True)
+            interactive = batcher.enqueue(Rows.of([[20, 5], [21, 5], [22, 5]]))
+            queued = depths()
+            batcher.cancel(gone)
+            cancelled = depths()
+            model.gate.set()
+            await first, await bulk.future, await interactive.future
+            return queued, cancelled
+        finally:
+            await batcher.stop()
+
+    queued, cancelled = run(scenario)
+    assert (queued, cancelled) == ((8, 3), (7, 3))
+    assert seen == [(0, 0), (5, 1), (4, 0), (2, 0), (0, 0)]
+    assert model.first_ids_seen() == [1, 20, 21, 22, 10, 11, 12, 13]
+    assert depths() == (0, 0)
+
+
 def test_interactive_requests_keep_their_order_among_themselves_and_ahead_of_bulk_ones():
     model = FakeModel(blocked=True)
     batcher = new_batcher(model, max_batch_size=1)

@@ -553,7 +553,7 @@ def test_hpa_queue_target_is_one_full_batch_of_the_overlay(
     (queue,) = [
         m
         for m in one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
-        if m["pods"]["metric"]["name"] == "embed_queue_depth"
+        if m["pods"]["metric"]["name"] == "embed_queue_interactive_depth"
     ]
     assert int(queue["pods"]["target"]["averageValue"]) == batch
 

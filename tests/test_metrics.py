@@ -60,6 +60,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_batch_size": ("histogram", set()),
     "embed_batch_padded_tokens": ("histogram", set()),
     "embed_queue_depth": ("gauge", set()),
+    "embed_queue_interactive_depth": ("gauge", set()),
     "embed_requests_in_flight": ("gauge", set()),
     "embed_requests_refused": ("counter", {"reason"}),
     "embed_inputs_dropped": ("counter", {"reason"}),
@@ -333,7 +334,7 @@ def test_one_batch_moves_the_real_and_padded_token_counters() -> None:
     assert value(m, "embed_batch_padded_tokens_sum") == 24
     assert value(m, "embed_queue_wait_seconds_count") == 1  # one request
     assert value(m, "embed_model_run_duration_seconds_count") == 1
-    assert value(m, "embed_queue_depth") == 0
+    assert value(m, "embed_queue_depth") == value(m, "embed_queue_interactive_depth") == 0
     padding = 1 - value(m, "embed_tokens_total") / value(m, "embed_batch_tokens_total")
     assert padding == pytest.approx(10 / 24)
 

@@ -68,6 +68,7 @@ MAIN_FLAGS = {
     "max_batch_tokens": 2048,
     "max_stream_in_flight": 8,
     "queue_limit": 2048,
+    "bulk_queue_share": 0.25,
 }
 
 SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
