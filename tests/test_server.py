@@ -773,24 +773,30 @@ def test_bulk_requests_are_held_back_at_their_share_of_the_queue_and_interactive
 
 def test_a_request_the_full_queue_cannot_take_is_refused_before_it_is_tokenized():
     """Overload is refused before its cost is paid: with the queue full (its depth published), the
-    next request gets RESOURCE_EXHAUSTED and the tokenizer never sees it."""
+    next request gets RESOURCE_EXHAUSTED and the tokenizer never sees it. The queue is filled by a
+    bulk and an interactive request, and the interactive depth counts the second's inputs only."""
     settings = {"model_instances": 1, "queue_limit": 4, "max_batch_size": 4}
     with serving(*flags(settings), entry=fault_entry(FAULT)) as process:
 
         async def behind_a_busy_instance() -> tuple[float, object, float]:
             async with one_instance_held(process.address), AsyncEmbeddingClient(process.address, 60) as c:
-                filling = asyncio.ensure_future(c.embed_response(embed_request(SHORT[:4])))
+                bulk = asyncio.ensure_future(c.embed_response(embed_request(SHORT[:2], priority="bulk")))
+                await asyncio.to_thread(
+                    wait_for, lambda: metric(process, "embed_queue_depth") == 2, 10.0, 0.05
+                )
+                filling = asyncio.ensure_future(c.embed_response(embed_request(SHORT[2:4])))
                 full = await asyncio.to_thread(
                     wait_for, lambda: metric(process, "embed_queue_depth") == 4, 10.0, 0.05
                 )
                 assert full, "the queue did not fill"
+                assert metric(process, "embed_queue_interactive_depth") == 2
                 before = metric(process, "embed_tokenization_duration_seconds_count")
                 try:
                     refused: object = await c.embed_response(embed_request(SHORT[4:6]))
                 except grpc.RpcError as e:
                     refused = e
                 after = metric(process, "embed_tokenization_duration_seconds_count")
-                await filling
+                await filling, await bulk
                 return before, refused, after
 
         before, refused, after = asyncio.run(behind_a_busy_instance())
