@@ -436,13 +436,15 @@ class Batcher:
         """Until work is queued, then until a batch is full or the oldest input waited long enough.
 
         A lone input that finds every instance idle runs at once: waiting for company only pays
-        while another batch is computing (its inputs arrive meanwhile).
+        while another batch is computing (its inputs arrive meanwhile). Interactive inputs batch
+        among themselves, so while any wait it is their count that must fill a batch: a bulk backlog
+        behind them does not send them off alone.
         """
         while not self._queue:
             self._wakeup.clear()
             await self._wakeup.wait()
         flush_at = self._queue[0][0].enqueued + self.limits.max_queue_delay_s
-        while len(self._queue) < self.limits.max_batch_size and self._running:
+        while (self._interactive or len(self._queue)) < self.limits.max_batch_size and self._running:
             remaining = flush_at - time.monotonic()
             if remaining <= 0:
                 return

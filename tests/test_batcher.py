@@ -669,6 +669,48 @@ def test_the_interactive_queue_depth_leaves_out_the_bulk_inputs_waiting():
     assert depths() == (0, 0)
 
 
+def test_interactive_inputs_wait_for_interactive_company_while_bulk_inputs_queue_behind_them():
+    """Two instances, one busy: an interactive input waits up to --max-queue-delay-ms for company as
+    it would on an empty queue, rather than run alone because bulk inputs make the queue long."""
+    model = FakeModel()
+    held = {90: threading.Event(), 10: threading.Event()}  # first ids whose batches wait for their gate
+    entered: list[list[int]] = []  # each batch's first ids, as it reaches the model
+
+    def gated(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        entered.append([int(i) for i in ids[:, 0]])
+        for first in ids[:, 0]:
+            if int(first) in held:
+                assert held[int(first)].wait(10), "the test never released the batch"
+        return model.run(ids, lengths)
+
+    batcher = new_batcher(model, max_batch_size=4, max_queue_delay_s=1.0, workers=2)
+    batcher.run = gated
+
+    async def scenario():
+        batcher.start()
+        try:
+            busy = asyncio.create_task(submit(batcher, [[90, 5]]))  # one instance, held throughout
+            await wait_until(lambda: len(entered) == 1)
+            bulk = batcher.enqueue(Rows.of([[10, 5]] * 4), bulk=True)  # the other instance, held
+            await wait_until(lambda: len(entered) == 2)
+            backlog = batcher.enqueue(Rows.of([[30, 5]] * 8), bulk=True)
+            first = batcher.enqueue(Rows.of([[20, 5]]))
+            held[10].set()
+            await bulk.future  # that instance is free, the bulk backlog and one interactive input wait
+            await asyncio.sleep(0.05)
+            second = batcher.enqueue(Rows.of([[21, 5]]))
+            answers = await first.future, await second.future
+            held[90].set()
+            await busy, await backlog.future
+            return answers
+        finally:
+            await batcher.stop()
+
+    first, second = run(scenario)
+    assert (first_ids(first), first_ids(second)) == ([20], [21])
+    assert entered == [[90], [10] * 4, [20, 21], [30] * 4, [30] * 4]
+
+
 def test_interactive_requests_keep_their_order_among_themselves_and_ahead_of_bulk_ones():
     model = FakeModel(blocked=True)
     batcher = new_batcher(model, max_batch_size=1)
