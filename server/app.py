@@ -218,7 +218,8 @@ class Supervisor:
         stop_when, self._stop_engine = self.context.Pipe(duplex=False)
         args = (self.config, self.engine_address, self.depth, send, stop_when, self.backend_factory)
         self.engine = self.context.Process(target=run_engine, args=args, name="engine")
-        self.engine.start()
+        with logs.child_stderr("engine"):
+            self.engine.start()
         self.events[receive] = "engine"
 
     def start_front(self, index: int) -> None:
@@ -228,7 +229,8 @@ class Supervisor:
             index, self.address, self.http_address, self.engine_address, self.engine.pid, self.depth, send
         )
         front = self.context.Process(target=run_front, args=(self.config, place), name=f"front-{index}")
-        front.start()
+        with logs.child_stderr(front.name):
+            front.start()
         self.fronts[index] = front
         self.events[receive] = f"front-{index}"
 

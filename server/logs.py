@@ -10,8 +10,9 @@ JSON lines come from a small Formatter over json.dumps rather than a library: th
 
 Not every line comes through `logging`: gRPC's C core (absl's format), ONNX Runtime's native logger, a
 traceback printed by a dying interpreter and faulthandler's dumps write to fd 2 directly. With JSON
-lines, the supervisor routes fd 2 (its own and, inherited, every child's) through a pipe, and
-`StderrLines` turns whatever is not a JSON object already into one (`relay_stderr`).
+lines, the supervisor routes fd 2 through pipes it reads, its own and one per child (`relay_stderr`,
+`child_stderr`), and `StderrLines` turns whatever is not a JSON object already into one that names
+the process that wrote it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import json
 import logging
 import os
 import re
-import select
+import selectors
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from datetime import UTC, datetime
+from multiprocessing import resource_tracker
 from typing import Any
 
 MAX_REQUEST_ID_CHARS = 128
@@ -194,20 +197,22 @@ def _is_json_object(line: str) -> bool:
         return False
 
 
-def wrapped(block: list[str], read_at: datetime) -> str:
-    """Lines that were not JSON as one JSON object, with the keys JsonFormatter writes. The writing
-    process is unknown: every child shares the pipe."""
+def wrapped(block: list[str], read_at: datetime, process: str = "unknown") -> str:
+    """Lines that were not JSON as one JSON object, with the keys JsonFormatter writes; `process`, the
+    name of the process whose fd 2 they came from (`child_stderr`)."""
     level, logger = _native(block[0]) or ("ERROR", "stderr")  # a traceback, a fatal error
-    line = line_object(read_at, level, "unknown", logger, "\n".join(block).rstrip())
+    line = line_object(read_at, level, process, logger, "\n".join(block).rstrip())
     return json.dumps(line, ensure_ascii=False)
 
 
 class StderrLines:
     """The bytes written to fd 2, as JSON lines: a JSON object's line unchanged, any other line wrapped
     (`wrapped`), the lines of one traceback or dump in one record. `feed` what was read; `idle` when
-    nothing more came within GROUP_WAIT_S, and at EOF. Each returns the lines to write out."""
+    nothing more came within GROUP_WAIT_S, and at EOF. Each returns the lines to write out. `process`
+    names the writer in the lines it wraps."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: str = "unknown") -> None:
+        self.process = process
         self.partial = b""  # a line's start, its newline not read yet
         self.cutting = False  # dropping the rest of a line already written out cut
         self.block: list[str] = []  # the lines of the record being gathered
@@ -238,7 +243,7 @@ class StderrLines:
         line = raw[:MAX_LINE_BYTES].decode("utf-8", "replace").rstrip("\r")
         if len(raw) > MAX_LINE_BYTES:
             cut = f"{line} [cut: the line was longer than {MAX_LINE_BYTES} bytes]"
-            return [*self._flush(), wrapped([cut], datetime.now(UTC))]
+            return [*self._flush(), wrapped([cut], datetime.now(UTC), self.process)]
         if _is_json_object(line):  # written out in the order read: a dead child's traceback first
             return [*self._flush(), line]
         out = []
@@ -267,7 +272,7 @@ class StderrLines:
     def _flush(self) -> list[str]:
         block, self.block = self.block, []
         self.block_chars, self.in_traceback, self.last_text = 0, False, ""
-        return [wrapped(block, self.read_at)] if block else []
+        return [wrapped(block, self.read_at, self.process)] if block else []
 
 
 def _write_out(fd: int, lines: list[str]) -> None:
@@ -277,31 +282,126 @@ def _write_out(fd: int, lines: list[str]) -> None:
             data = data[os.write(fd, data) :]
 
 
-def _relay(read_end: int, out: int, closing: threading.Event) -> None:
-    """The pipe's reader: until EOF, or, once `closing`, until the pipe stays empty for GROUP_WAIT_S."""
-    lines = StderrLines()
-    while True:
-        wait = GROUP_WAIT_S if lines.block or lines.partial or closing.is_set() else None
-        if not select.select([read_end], [], [], wait)[0]:
-            _write_out(out, lines.idle())
-            if closing.is_set():
+class _Relay:
+    """The reader of fd 2's pipes, in the supervisor: one pipe of its own (and of whatever it starts
+    outside `child_stderr`, multiprocessing's resource tracker among them) and one per child, each
+    read into its own StderrLines so that a line names the process that wrote it. A child's pipe is
+    read to EOF (the child and anything it started have exited), then closed."""
+
+    def __init__(self, own: int, out: int) -> None:
+        self.out = out
+        self.closing = threading.Event()
+        self.closed_at = 0.0  # time.monotonic() when closing was set
+        self.selector = selectors.DefaultSelector()
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_write, False)
+        self.selector.register(self.wake_read, selectors.EVENT_READ, None)
+        self.added: list[tuple[int, StderrLines]] = []  # pipes handed over, not yet registered
+        self.lock = threading.Lock()
+        self.last_read: dict[int, float] = {}  # pipe -> when it was last read (time.monotonic())
+        self.add(own, StderrLines("MainProcess"))
+
+    def add(self, read_end: int, lines: StderrLines) -> None:
+        with self.lock:
+            self.added.append((read_end, lines))
+        self.wake()
+
+    def close(self) -> None:
+        self.closed_at = time.monotonic()
+        self.closing.set()
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the reader is awake already
+            os.write(self.wake_write, b"x")
+
+    def run(self) -> None:
+        """Until every pipe is at EOF, or, once closing, until they all stay empty for GROUP_WAIT_S."""
+        while True:
+            self._register_added()
+            now = time.monotonic()
+            held = [(key.fd, key.data) for key in self.selector.get_map().values() if key.data is not None]
+            due = [self.last_read[fd] + GROUP_WAIT_S for fd, lines in held if lines.block or lines.partial]
+            if self.closing.is_set():  # a stray writer gets GROUP_WAIT_S after the last line, or the close
+                due.append(max([self.closed_at, *self.last_read.values()]) + GROUP_WAIT_S)
+            ready = self.selector.select(max(0.0, min(due) - now) if due else None)
+            if not ready and self.closing.is_set() and time.monotonic() >= due[-1]:
                 break
-            continue
-        chunk = os.read(read_end, 65536)
-        if not chunk:
-            break
-        _write_out(out, lines.feed(chunk))
-    _write_out(out, lines.idle())
+            for key, _ in ready:
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        os.read(self.wake_read, 4096)
+                    continue
+                self._read(key.fd, key.data)
+            now = time.monotonic()
+            for fd, lines in held:  # a pause in one pipe writes out what it holds, whatever the others do
+                if fd in self.last_read and now >= self.last_read[fd] + GROUP_WAIT_S:
+                    _write_out(self.out, lines.idle())
+            if not self.closing.is_set() and len(self.selector.get_map()) == 1 and not self.added:
+                break  # every pipe at EOF: nothing can write to a pipe of ours any more
+        for key in list(self.selector.get_map().values()):
+            if key.data is not None:
+                _write_out(self.out, key.data.idle())
+
+    def _register_added(self) -> None:
+        with self.lock:
+            added, self.added = self.added, []
+        for read_end, lines in added:
+            self.selector.register(read_end, selectors.EVENT_READ, lines)
+            self.last_read[read_end] = time.monotonic()
+
+    def _read(self, fd: int, lines: StderrLines) -> None:
+        chunk = os.read(fd, 65536)
+        self.last_read[fd] = time.monotonic()
+        if chunk:
+            _write_out(self.out, lines.feed(chunk))
+            return
+        _write_out(self.out, lines.idle())  # EOF: the writers are gone
+        self.selector.unregister(fd)
+        del self.last_read[fd]
+        os.close(fd)
+
+
+_active: _Relay | None = None  # the relay fd 2 goes through, in the supervisor (relay_stderr)
+
+
+@contextlib.contextmanager
+def child_stderr(name: str) -> Iterator[None]:
+    """Start a child inside this (`process.start()`) and its fd 2 is a pipe of its own, whose lines
+    name it (`name`, as its own JSON lines do) rather than "unknown". Nothing changes without a relay."""
+    relay = _active
+    if relay is None:
+        yield
+        return
+    read_end, write_end = _pipe()
+    own = os.dup(2)
+    os.dup2(write_end, 2)
+    try:
+        yield
+    finally:
+        os.dup2(own, 2)
+        os.close(own)
+        os.close(write_end)  # the child holds its copy: EOF when it and whatever it started are gone
+        relay.add(read_end, StderrLines(name))
+
+
+def _pipe() -> tuple[int, int]:
+    read_end, write_end = os.pipe()
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return read_end, write_end
 
 
 def relay_stderr() -> Callable[[], None]:
     """Route fd 2 through a pipe whose lines a thread of this process writes to the real stderr as
-    JSON (StderrLines); children started from now on inherit the pipe as their fd 2. Returns the drain,
-    to call once at exit, after the children have ended: it writes out the lines still in the pipe.
+    JSON (StderrLines); children started from now on inherit the pipe as their fd 2, or, started in
+    `child_stderr`, get one of their own. Returns the drain, to call once at exit, after the children
+    have ended: it writes out the lines still in the pipes.
 
     The reader is in the supervisor, which outlives its children when one crashes; only the
     supervisor's own sudden death (SIGKILL) loses the lines not yet read. Without a stderr (started
     with fd 2 closed) there is nothing to relay to, and nothing changes."""
+    global _active
     if sys.stderr is None:
         return lambda: None
     sys.stderr.flush()
@@ -309,24 +409,25 @@ def relay_stderr() -> Callable[[], None]:
         real = os.dup(2)
     except OSError:
         return lambda: None
-    read_end, write_end = os.pipe()
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    # multiprocessing starts its resource tracker with the first child; started now, it holds this
+    # pipe, not a child's, which would then never reach EOF.
+    with contextlib.suppress(Exception):
+        resource_tracker.ensure_running()
+    read_end, write_end = _pipe()
     os.dup2(write_end, 2)
-    closing = threading.Event()
-    reader = threading.Thread(target=_relay, args=(read_end, real, closing), name="stderr", daemon=True)
+    relay = _active = _Relay(read_end, real)
+    reader = threading.Thread(target=relay.run, name="stderr", daemon=True)
     reader.start()
 
     def drain() -> None:
+        global _active
         # Not to EOF: multiprocessing's resource tracker holds the pipe until this process is gone.
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.flush()
-        closing.set()
+        _active = None
         os.dup2(real, 2)  # what is written from here on goes out directly
-        os.set_blocking(write_end, False)  # a full pipe (its reader stuck on stderr) must not hold the exit
-        with contextlib.suppress(OSError):
-            os.write(write_end, b"\n")  # wakes the reader if it waits for a line; it drops a blank one
         os.close(write_end)
+        relay.close()
         reader.join(DRAIN_S)
 
     return drain

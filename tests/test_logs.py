@@ -107,6 +107,7 @@ def test_grpc_core_lines_come_out_as_json_with_their_level(server):
     core = [line for line in json_lines(server) if line["logger"] == "grpc"]
     assert core[0]["level"] == "WARNING" and "Log level INFO is not suitable" in str(core[0]["message"])
     assert str(core[0]["message"]).startswith("W")  # the line as the C core wrote it
+    assert {line["process"] for line in core} == {"front-0"}  # the front's own pipe names it
     assert all(line.strip().startswith("{") for line in server.lines if line.strip()), "a line is not JSON"
 
 
@@ -159,6 +160,46 @@ def test_a_dying_childs_lines_and_the_last_lines_before_exit_come_out_as_json():
     assert traceback.startswith("Process SpawnProcess-1:\nTraceback")
     assert traceback.endswith("ZeroDivisionError: division by zero")
     assert lines[2]["message"] == "the supervisor's last raw line, without its newline"
+
+
+# Two children started in child_stderr, one of them twice (a front restarted), beside the supervisor's
+# own raw line; prints the pipes left open once the children are gone.
+NAMED_CHILDREN = textwrap.dedent(r"""
+    import atexit, multiprocessing, os, time
+    from minilm_embed.server import logs
+
+    atexit.register(logs.relay_stderr())
+    context = multiprocessing.get_context("spawn")
+    fds = len(os.listdir("/proc/self/fd"))
+    for name, code in [("engine", "1 / 0"), ("front-0", "pass"), ("front-0", "pass")]:
+        line = f"import os; os.write(2, b'E1127 12:00:00.123456  99 tcp_server.cc:1] from {name}\\n'); {code}"
+        child = context.Process(target=exec, args=(line,), name=name)
+        with logs.child_stderr(name):
+            child.start()
+        child.join()
+        child.close()
+    os.write(2, b"the supervisor's raw line\n")
+    deadline = time.monotonic() + 10
+    while len(os.listdir("/proc/self/fd")) > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(len(os.listdir("/proc/self/fd")) - fds)
+""")
+
+
+def test_a_childs_raw_lines_name_the_child_and_its_pipe_is_closed_when_it_is_gone():
+    done = subprocess.run(
+        [sys.executable, "-c", NAMED_CHILDREN], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    lines = [json.loads(line) for line in done.stderr.splitlines()]  # every line is JSON
+    named = sorted((line["process"], line["logger"], str(line["message"]).split("\n")[-1]) for line in lines)
+    assert named == [
+        ("MainProcess", "stderr", "the supervisor's raw line"),
+        ("engine", "grpc", "E1127 12:00:00.123456  99 tcp_server.cc:1] from engine"),
+        ("engine", "stderr", "ZeroDivisionError: division by zero"),
+        ("front-0", "grpc", "E1127 12:00:00.123456  99 tcp_server.cc:1] from front-0"),
+        ("front-0", "grpc", "E1127 12:00:00.123456  99 tcp_server.cc:1] from front-0"),
+    ], done.stderr
+    assert done.stdout == "0\n", "a child's pipe was left open after it exited"
 
 
 def test_a_refusal_after_logging_is_set_up_is_a_json_line():
