@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
@@ -39,6 +40,15 @@ T = TypeVar("T")
 DEADLINE_SLACK_S = 0.1
 REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
 STREAM_ENDED = "the server is shutting down: a request without an answer was not run; send it on a new stream"
+# gRPC fails an answer over max_message_bytes once it is made, with no word of which limit (and ends
+# a stream with it): answers are sized first. The wire bytes of an Embedding beyond its floats, at
+# most (its tag and length, the values' or float32_le's, an InputUsage of four fields), of an
+# EmbedResponse beyond its rows (dimensions, total_tokens, timing), and of a Tokens row beyond its ids.
+ROW_OVERHEAD_BYTES = 32
+ANSWER_OVERHEAD_BYTES = 64
+TOKENS_ROW_OVERHEAD_BYTES = 32
+SHORTER = ", or shorter texts, or truncate=true"  # what else makes a Tokenize answer fit
+VARINT_STEPS = np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28])  # an id at or past each takes one byte more
 
 
 M = TypeVar("M", bound=Message)
@@ -221,7 +231,11 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         # Before a Python object is made per input: 600k one-character texts cost a front ~3x its
         # idle memory and a second of its event loop when counted only after list() (16 callers).
         field = inputs_field(request.texts, request.token_ids)
-        self.embedder.tokenizer.check_count(_inputs(request), field=field)
+        count = _inputs(request)
+        self.embedder.tokenizer.check_count(count, field=field)
+        dimensions = self.info.dimensions if self.info is not None else 0  # none yet: warming up
+        if count * 4 * dimensions > self.max_message_bytes:  # its floats alone: refused before compute
+            raise self._too_large(count * 4 * dimensions, field, f"{count} vectors of {dimensions} floats")
         job = EmbedJob(
             texts=list(request.texts),  # one list: each read of a protobuf string decodes it again
             token_ids=[t.ids for t in request.token_ids],
@@ -231,13 +245,41 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             bulk=bulk,
             request_id=logs.current_request_id.get(),
         )
-        return _response(await self.embedder.embed(job, held), fmt)
+        response = _response(await self.embedder.embed(job, held), fmt)
+        self._check_size(response, count * (4 * dimensions + ROW_OVERHEAD_BYTES), field)
+        return response
+
+    def _check_size(self, answer: Message, at_most: int, field: str, hint: str = "") -> None:
+        """Refuse `answer` over max_message_bytes; sized exactly only when its bound (`at_most`, plus
+        ANSWER_OVERHEAD_BYTES) does not fit."""
+        near = at_most + ANSWER_OVERHEAD_BYTES > self.max_message_bytes
+        if near and (size := answer.ByteSize()) > self.max_message_bytes:
+            raise self._too_large(size, field, hint=hint)
+
+    def _too_large(self, size: int, field: str, lower_bound: str = "", hint: str = "") -> InvalidInput:
+        """ANSWER_TOO_LARGE: the answer's size, or, given what it holds (`lower_bound`), at least
+        `size` bytes of it; `hint`, what else than fewer inputs would make it fit."""
+        would_be = f"at least {size} bytes ({lower_bound})" if lower_bound else f"{size} bytes"
+        return InvalidInput(
+            f"the answer would be {would_be}, over the limit max_message_bytes={self.max_message_bytes}: "
+            f"send fewer inputs a request{hint}",
+            "ANSWER_TOO_LARGE",
+            field,
+            setting="max_message_bytes",
+            limit=self.max_message_bytes,
+            value=size,
+        )
 
     async def _tokenize(self, request: pb.TokenizeRequest, held: Hold) -> pb.TokenizeResponse:
         self.embedder.tokenizer.check_count(_inputs(request), "`texts` with at least one text")
         truncate = request.truncate if request.HasField("truncate") else True
         prepared = await self.embedder.tokenize(list(request.texts), truncate)
         held.release()
+        # The ids' own bytes (each a varint of 1 to 3 bytes) first: an answer that cannot fit is
+        # refused before a Python int per id is made (200 ms of the event loop for 2M ids).
+        ids_bytes = int(np.searchsorted(VARINT_STEPS, prepared.ids, side="right").sum()) + prepared.ids.size
+        if ids_bytes > self.max_message_bytes:
+            raise self._too_large(ids_bytes, "texts", f"{prepared.ids.size} token ids", SHORTER)
         tokens = []
         for i, ids in enumerate(prepared.rows()):
             usage = pb.InputUsage(
@@ -248,16 +290,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             )
             tokens.append(pb.Tokens(ids=ids.tolist(), usage=usage))
         response = pb.TokenizeResponse(tokens=tokens)
-        if (size := response.ByteSize()) > self.max_message_bytes:  # gRPC would fail it, unexplained
-            raise InvalidInput(
-                f"the answer would be {size} bytes, over the limit max_message_bytes="
-                f"{self.max_message_bytes}: send fewer or shorter texts, or truncate=true",
-                "ANSWER_TOO_LARGE",
-                "texts",
-                setting="max_message_bytes",
-                limit=self.max_message_bytes,
-                value=size,
-            )
+        self._check_size(response, ids_bytes + len(tokens) * TOKENS_ROW_OVERHEAD_BYTES, "texts", SHORTER)
         return response
 
     async def _stream(
@@ -276,7 +309,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
                 item = parse(pb.EmbedStreamRequest, data)
                 item_id = item.id
                 response = await self._embed(item.request, deadline, held)
-                await answers.put(pb.EmbedStreamResponse(id=item_id, response=response))
+                wrapped = pb.EmbedStreamResponse(id=item_id, response=response)
+                # The item's id comes back too: an answer that fits Embed's limit may not with it.
+                at_most = len(response.embeddings) * (4 * response.dimensions + ROW_OVERHEAD_BYTES)
+                field = inputs_field(item.request.texts, item.request.token_ids)
+                self._check_size(wrapped, at_most + len(data), field)
+                await answers.put(wrapped)
             except ServiceError as e:
                 await answers.put(_stream_error(item_id, e))
             except Exception:  # every item gets an answer, even after a bug

@@ -646,14 +646,53 @@ def test_a_client_gone_silent_has_its_open_stream_ended_by_the_servers_pings():
             client.wait(10)
 
 
-def test_a_tokenize_answer_over_the_message_limit_is_refused_naming_it():
-    """Every "!" is a token of two bytes in the answer: 90 kB of text asks for a 180 kB answer. gRPC
-    would fail it with "Sent message larger than max", counted OK and logged as a server error."""
-    with serving("--max-message-bytes", "150000") as server, EmbeddingClient(server.address) as c:
-        with pytest.raises(InvalidInput, match=r"over the limit max_message_bytes=150000") as e:
+def test_answers_over_the_message_limit_are_refused_naming_it_and_a_stream_goes_on():
+    """gRPC fails an answer over --max-message-bytes once it is made, with "Sent message larger than
+    max", counted OK and logged as a server error, and ends a stream with it. At 150,000 bytes an
+    Embed answer holds 96 vectors of 384 floats: 98 are refused before compute by their floats alone
+    (150,528 bytes), 97 once sized; a stream's item is sized with its id and refused alone.
+    Tokenize: every "!" is a token of two bytes ([CLS] and [SEP] one each), so 90 kB of text asks
+    for a 180 kB answer."""
+    limit = "max_message_bytes=150000"
+    with serving("--max-message-bytes", "150000") as server, EmbeddingClient(server.address, 60) as c:
+        assert c.embed(["a"] * 96).shape == (96, DIMENSIONS)
+        for count, would_be in (
+            (97, r"\d+ bytes"),
+            (98, r"at least 150528 bytes \(98 vectors of 384 floats\)"),
+        ):
+            with pytest.raises(grpc.RpcError) as e:
+                c.stub.Embed(embed_request(["a"] * count), timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert re.search(f"the answer would be {would_be}, over the limit {limit}", e.value.details())
+            info = error_details(e.value)["ErrorInfo"]
+            assert (info.reason, info.metadata["setting"], info.metadata["limit"]) == (
+                "ANSWER_TOO_LARGE",
+                "max_message_bytes",
+                "150000",
+            )
+            assert int(info.metadata["value"]) > 150_000
+        items = [
+            pb.EmbedStreamRequest(id="small", request=embed_request(["a"])),
+            pb.EmbedStreamRequest(id="x" * 3000, request=embed_request(["a"] * 96)),  # fits alone
+            pb.EmbedStreamRequest(id="97", request=embed_request(["a"] * 97)),
+            pb.EmbedStreamRequest(id="after", request=embed_request(["a"] * 96)),
+        ]
+        answers = {a.id: a for a in c.stub.EmbedStream(iter(items), timeout=60)}
+        assert [answers[k].WhichOneof("result") for k in ("small", "x" * 3000, "97", "after")] == [
+            "response",
+            "error",
+            "error",
+            "response",
+        ]
+        assert {answers[k].error.reason for k in ("x" * 3000, "97")} == {"ANSWER_TOO_LARGE"}
+        assert len(answers["after"].response.embeddings) == 96
+        with pytest.raises(InvalidInput, match=f"over the limit {limit}") as refused:
             c.tokenize(["!" * 90_000], truncate=False)
-        assert "truncate=true" in e.value.details()
+        assert "at least 180002 bytes (90002 token ids)" in refused.value.details()
+        assert "truncate=true" in refused.value.details()
         assert len(c.tokenize(["!" * 90_000]).tokens[0].ids) == 256  # cut, it fits
+        assert metric(server, "embed_requests_total", method="Embed", code="INVALID_ARGUMENT") == 2
+    assert "Sent message larger" not in "\n".join(server.lines)
 
 
 def test_tokenize_matches_the_model_tokenizer(client, reference):
