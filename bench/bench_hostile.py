@@ -9,7 +9,8 @@ flags (and any --server-flag), and the peak resident memory of each server proce
 (docs/benchmarks.md, "Hostile input": what --max-concurrent-calls bounds).
 
 For each kind of flood (Embed of as many 100 kB texts as the default message limit allows,
-Tokenize of the same, EmbedStream items of 8 such texts, Embed of 256 inputs of 256 token ids):
+Tokenize of the same, EmbedStream items of 8 such texts, Embed of 256 inputs of 256 token ids, an HTTP
+body of one input of 419,000 token ids; `--only HTTP` runs the floods whose name holds HTTP):
 the answers' status codes, the server's resident memory (all its processes) idle, at peak and 10 s
 after the load (in all and per process), and the latency of a short Tokenize probe sent every
 100 ms from a process of its own (tests/reliability/hostile.py). Issue 14's targets: only OK or
@@ -28,11 +29,12 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
-from tests.reliability.hostile import FLAGS, KINDS, one_flood
+from tests.reliability.hostile import FLAGS, KINDS, Call, one_flood
 from tests.reliability.probes import rss_by_process
 from tests.server_process import ServerProcess, serving
 
@@ -98,11 +100,35 @@ def many_callers(server: ServerProcess, callers: int) -> dict[str, object]:
     return {"callers": callers, "calls": dict(codes), "peak_mib": {k: v >> 20 for k, v in peak.items()}}
 
 
+# One input of 419,000 token ids in a 2 MB HTTP body: max_inputs_per_request does not bound it (one
+# input), and every id is checked before the cut to 256 (an acceptance pass found it stalled a
+# front's event loop 340 ms a request, probe p99 ~1 s beside 4 callers).
+HTTP_IDS_BODY = b'{"input":[101,' + b"1037," * 419_000 + b"102]}"
+
+
+def http_ids(url: str) -> Call:
+    """A flood call posting HTTP_IDS_BODY (its `stub` unused); a refusal raised as gRPC's would be."""
+    clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+
+    async def call(stub: object) -> None:
+        loop = asyncio.get_running_loop()
+        client = clients.setdefault(loop, httpx.AsyncClient(timeout=120))
+        answer = await client.post(url, content=HTTP_IDS_BODY, headers={"Content-Type": "application/json"})
+        if answer.status_code != 200:
+            code = {429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}.get(
+                answer.status_code, grpc.StatusCode.UNKNOWN
+            )
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), answer.text[:200])
+
+    return call
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", type=Path, default=Path("build/model"))
     p.add_argument("--out", type=Path, default=Path("build/bench/hostile.json"))
     p.add_argument("--many-callers", type=int, default=0, help="N callers of 2 MiB padded Embeds instead")
+    p.add_argument("--only", default="", help="floods whose name holds this, e.g. HTTP")
     p.add_argument(
         "--server-flag", action="append", default=[], help="a server flag, e.g. --server-flag=--x=1"
     )
@@ -114,7 +140,17 @@ def main() -> None:
         return
     rows = []
     with serving(*FLAGS, "--model-dir", str(args.model_dir)) as server:
-        for kind, call, seconds in KINDS:
+        kinds = [
+            *KINDS,
+            (
+                "HTTP, one input of 419,000 token ids (2 MB)",
+                http_ids(server.http_url + "/v1/embeddings"),
+                10.0,
+            ),
+        ]
+        for kind, call, seconds in kinds:
+            if args.only not in kind:
+                continue
             rows.append(one_flood(server, kind, call, seconds))
             print(rows[-1], file=sys.stderr)
     print("| flood | calls | idle MiB | peak MiB | after MiB | probe p50 ms | probe p99 ms |")

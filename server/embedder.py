@@ -10,14 +10,22 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from minilm_embed.server.budget import Budget, Hold
 from minilm_embed.server.errors import InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.readiness import Readiness
-from minilm_embed.server.tokenization import Prepared, RequestTokenizer, inputs_field, tokenizing_cost
+from minilm_embed.server.tokenization import (
+    Prepared,
+    RequestTokenizer,
+    TokenRow,
+    inputs_field,
+    tokenizing_cost,
+)
 from minilm_embed.server.transport import Answer, EngineClient
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
@@ -40,6 +48,9 @@ INLINE_BASE_US_PER_CHAR = 0.1  # about twice the Python path's rate on STS-B sen
 # high rate per character.
 INLINE_MIN_OBSERVED_CHARS = 256
 NON_ASCII_WEIGHT = 16
+# Token ids are checked on the event loop up to this many in a request (about 0.2-0.5 ms, mostly the
+# rows' conversion to arrays), beyond it on a tokenizer thread: one 2 MB HTTP list of ids took 17 ms.
+INLINE_TOKEN_IDS = 16384
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class EmbedJob:
     """One embedding request, in the front's terms: texts or token ids (one of them), and options."""
 
     texts: Sequence[str] = ()
-    token_ids: Sequence[Sequence[int]] = ()
+    token_ids: Sequence[TokenRow] = ()
     truncate: bool = True
     normalize: bool = True
     deadline: float | None = None  # time.monotonic() by which the answer is due
@@ -143,13 +154,20 @@ class Embedder:
             self.tracer.record(job, embedded)
         return embedded
 
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on a tokenizer thread: Python work too long for the event loop (a request's
+        other calls wait on it), which holds the GIL there too but lets the loop in between."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work, *args)
+
     async def tokenize(self, texts: list[str], truncate: bool) -> Prepared:
         """Token ids and usage; with truncate=False the whole text (original_tokens exact)."""
         return await self._tokenize_texts(texts, True, whole=not truncate)
 
     async def _prepare(self, job: EmbedJob) -> Prepared:
         if job.token_ids:
-            return self.tokenizer.from_ids(job.token_ids, job.truncate)
+            if sum(map(len, job.token_ids)) <= INLINE_TOKEN_IDS:
+                return self.tokenizer.from_ids(job.token_ids, job.truncate)
+            return await self.off_loop(self.tokenizer.from_ids, job.token_ids, job.truncate)
         started = time.perf_counter()
         prepared = await self._tokenize_texts(list(job.texts), job.truncate)
         self.metrics.tokenize_duration.observe(time.perf_counter() - started)

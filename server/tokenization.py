@@ -16,6 +16,9 @@ import numpy as np
 from minilm_embed.model.tokenizer import PREFIX_CHARS, Tokenizer
 from minilm_embed.server.errors import InvalidInput
 
+# One input's token ids: a list or protobuf's repeated field, or an int64 array (HTTP's, checked).
+TokenRow = Sequence[int] | np.ndarray
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -40,7 +43,7 @@ class InputLimits:
     max_text_chars: int
 
 
-def _flatten(rows: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+def _flatten(rows: Sequence[TokenRow], lengths: np.ndarray) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
 
 
@@ -117,12 +120,46 @@ class RequestTokenizer:
         exact = np.zeros(len(rows), dtype=bool)
         return Prepared(lengths, _flatten(rows, lengths), exact, lengths.astype(np.int64), exact)
 
-    def from_ids(self, sequences: Sequence[Sequence[int]], truncate: bool) -> Prepared:
+    def from_ids(self, sequences: Sequence[TokenRow], truncate: bool) -> Prepared:
         self.check_count(len(sequences), field="token_ids")
+        prepared = self._ids_checked_at_once(sequences) or self._ids_checked_row_by_row(sequences)
+        if not truncate:
+            self._refuse_long(prepared, "token_ids[{}].ids")
+        return prepared
+
+    def _ids_checked_at_once(self, sequences: Sequence[TokenRow]) -> Prepared | None:
+        """Every row's ids in one array, checked and cut with a few array operations whatever the rows
+        (row by row, 32 rows of 32 ids took 0.4-0.6 ms of the event loop); None when any row breaks
+        a rule, which the row-by-row check then names."""
+        limit = self.limits.max_input_tokens
+        original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+        if not original.all():
+            return None
+        ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in sequences])
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            return None
+        ends = np.cumsum(original)
+        starts = ends - original
+        if self.frame is not None and not (
+            (ids[starts] == self.frame[0]).all() and (ids[ends - 1] == self.frame[1]).all()
+        ):
+            return None
+        truncated = original > limit
+        if truncated.any():  # as _cut cuts: the first limit - 1 ids and the last, or the first limit
+            position = np.arange(ids.size) - np.repeat(starts, original)
+            keep = position < (limit - 1 if self.frame is not None else limit)
+            if self.frame is not None:
+                keep |= position == np.repeat(original - 1, original)
+            ids = ids[keep]
+        lengths = np.minimum(original, limit).astype(np.int32)
+        exact = np.zeros(len(sequences), dtype=bool)
+        return Prepared(lengths, ids.astype(np.int32), truncated, original, exact)
+
+    def _ids_checked_row_by_row(self, sequences: Sequence[TokenRow]) -> Prepared:
         limit = self.limits.max_input_tokens
         rows = []
         for i, ids in enumerate(sequences):
-            if not ids:
+            if not len(ids):
                 raise InvalidInput(
                     f"input {i} is an empty token-id sequence", "EMPTY_INPUT", f"token_ids[{i}].ids", input=i
                 )
@@ -145,10 +182,7 @@ class RequestTokenizer:
         original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         lengths = np.minimum(original, limit).astype(np.int32)
         exact = np.zeros(len(sequences), dtype=bool)
-        prepared = Prepared(lengths, np.concatenate(rows).astype(np.int32), original > limit, original, exact)
-        if not truncate:
-            self._refuse_long(prepared, "token_ids[{}].ids")
-        return prepared
+        return Prepared(lengths, np.concatenate(rows).astype(np.int32), original > limit, original, exact)
 
     def _check_frame(self, row: np.ndarray, i: int) -> None:
         """Ids are taken as Tokenize gives them, [CLS] ... [SEP]. Ids without that frame are another

@@ -111,6 +111,15 @@ def test_token_id_inputs_equal_text_inputs(server, grpc_client, grpc_vectors):
     assert many.usage.total_tokens == sum(map(len, ids))
 
 
+def test_a_long_id_list_is_cut_as_a_long_text_is(server, grpc_client):
+    """30,002 ids (a 150 kB body, checked off the event loop) embed as their first 255 and [SEP]."""
+    ids = [101, *(2000 + i % 28_000 for i in range(30_000)), 102]
+    long = create(server, input=ids, encoding_format="float")
+    cut = grpc_client.embed_ids([[*ids[:255], 102]])
+    assert_close(np.array([long.data[0].embedding]), cut)
+    assert long.usage.total_tokens == 256
+
+
 def test_dimensions_equal_to_the_models_is_accepted(server, grpc_vectors):
     response = create(server, input=TEXTS[:1], dimensions=DIMENSIONS, encoding_format="float")
     assert_close(np.array([response.data[0].embedding]), grpc_vectors[:1])
@@ -266,6 +275,26 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             ["token id 9223372036854775808 at position 1", "vocabulary"],
         ),
         ({"input": [[101, 999_999]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
+        # Bodies past 64 KiB and past 16,384 ids are parsed and checked off the event loop: the same
+        # answers, the fault named where it is.
+        (
+            {"input": [101, *[1000] * 30_000, 1.5]},
+            "input",
+            "token_id_not_an_integer",
+            ["input 0", "position 30001 is a number 1.5"],
+        ),
+        (
+            {"input": [[101, *[1000] * 30_000, 102], [101, 999_999, 102]]},
+            "input",
+            "token_id_out_of_range",
+            ["input 1: token id 999999 at position 1", "[0, 30522)"],
+        ),
+        (
+            {"input": [[101, *[1000] * 30_000, 102]], "truncate": False},
+            "input",
+            "too_many_tokens",
+            ["input 0 has 30002 tokens, over the limit max_input_tokens=256"],
+        ),
         # What LangChain's OpenAIEmbeddings sends by default: tiktoken's ids, valid ids of this vocabulary.
         (
             {"input": [[15339, 1917]]},
@@ -709,4 +738,5 @@ def test_too_many_inputs_are_refused_before_any_input_is_examined():
         parse_input(rows, most=4)
     with pytest.raises(InvalidInput, match="position 0 is a string"):
         parse_input(rows, most=5)
-    assert parse_input([101] * 10, most=4) == ([], [[101] * 10])  # one sequence of ids: one input
+    texts, (ids,) = parse_input([101] * 10, most=4)  # one sequence of ids: one input
+    assert texts == [] and ids.tolist() == [101] * 10
