@@ -121,7 +121,8 @@ def check_ports(config: ServerConfig) -> None:
 
     Our own sockets take SO_REUSEPORT (every front binds the port), and so would a stale second server
     started as the same user: the kernel would share the port between the two, silently. A probe
-    without it is refused by any listener there; with SO_REUSEADDR, connections in TIME_WAIT are not."""
+    without it is refused by any listener there; with SO_REUSEADDR, connections of ours left in
+    TIME_WAIT are not, as our listeners set it too (reuseport_socket; gRPC's own)."""
     for name, where in config.listen_addresses().items():
         with socket.socket(where.family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -175,12 +175,16 @@ def build_info(
 
 
 def reuseport_socket(address: str) -> socket.socket:
-    """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port."""
+    """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port, and
+    SO_REUSEADDR, as every server's listener has (gRPC's own do): the connections it accepts inherit
+    it, and those the server closed first, left in TIME_WAIT for a minute, then do not keep a server
+    started again on the port from binding it (check_ports refused it: "in use")."""
     where = listen_address(address)
     # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP;
     # without it a response's header and body writes met delayed ACKs (40 ms per HTTP call).
     sock = socket.socket(where.family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((where.host, where.port))
     except BaseException:

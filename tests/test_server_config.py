@@ -434,6 +434,32 @@ def test_a_port_another_process_listens_on_is_refused_before_any_child_starts(na
     assert line == f"{flag(name)} ({env_name(name)}) {address} is in use: another server listening there?"
 
 
+def closed_by_the_server(port: int) -> None:
+    """One HTTP call with `Connection: close`, read to the end: the server closes first, and its side
+    of the connection waits in TIME_WAIT on `port` for a minute."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        while sock.recv(4096):
+            pass
+
+
+def test_a_server_started_again_binds_its_ports_while_connections_it_closed_wait():
+    """A restart within a minute of a stop (Kubernetes restarting the container in the same network
+    namespace) was refused "in use" on the HTTP port: the connections the server had closed first
+    (idle keep-alives, Connection: close) held it in TIME_WAIT, unlike gRPC's port, whose listener
+    sets SO_REUSEADDR."""
+    with serving() as first:
+        port = first.http_port
+        closed_by_the_server(port)
+    waiting = subprocess.run(
+        ["ss", "-Htan", "state", "time-wait", "sport", f"= :{port}"], capture_output=True, text=True
+    )
+    assert waiting.stdout.strip(), "no connection of the first server's left in TIME_WAIT: nothing tested"
+    with serving("--http-address", f"127.0.0.1:{port}") as again:
+        assert again.http_port == port
+        closed_by_the_server(port)
+
+
 def test_a_host_that_does_not_resolve_is_refused_naming_the_setting():
     line = refused_at_start("--http-address", "no-such-host.invalid:0")
     assert line.startswith("--http-address (EMBED_HTTP_ADDRESS) no-such-host.invalid:0: cannot resolve")
