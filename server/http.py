@@ -301,7 +301,7 @@ class HttpApi:
         request_id, why = logs.request_id_from(request.headers.get(logs.REQUEST_ID_HEADER))
         logs.current_request_id.set(request_id)
         if why:
-            log.debug("x-request-id not used (%s): this call's id is made up", why)
+            logs.warn_replaced_id("HTTP", request.headers[logs.REQUEST_ID_HEADER], why)
         return request_id
 
     def _authorize(self, request: Request) -> None:
@@ -655,7 +655,7 @@ class BoundedH11(H11Protocol):
                 f"front busy: {len(self.connections) - 1} HTTP connections open, http_max_connections "
                 f"is {self.max_connections}; retry with backoff"
             )
-            self._refuse(429, "Too Many Requests", "rate_limit_error", message)
+            self._refuse(429, "Too Many Requests", "rate_limit_error", message, "FRONT_BUSY")
             return
         self._wait_for_headers()
 
@@ -733,14 +733,19 @@ class BoundedH11(H11Protocol):
                 f"the request's headers had not all arrived after {self.header_timeout_s:g} s, the "
                 f"limit http_header_timeout_s={self.header_timeout_s:g}"
             )
-            self._refuse(408, "Request Timeout", "invalid_request_error", message)
+            self._refuse(408, "Request Timeout", "invalid_request_error", message, "HEADER_TIMEOUT")
 
-    def _refuse(self, status: int, reason: str, kind: str, message: str) -> None:
-        """An answer written before (or instead of) reading a request, then the connection closed."""
-        body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    def _refuse(self, status: int, reason: str, kind: str, message: str, code: str) -> None:
+        """An answer written before (or instead of) reading a request, then the connection closed: as
+        every other answer, its reason lower-cased as `code`, an x-request-id (made up: the request's
+        headers were not read) and, for 429, Retry-After."""
+        error = {"message": message, "type": kind, "param": None, "code": code.lower()}
+        body = orjson.dumps({"error": error})
+        retry = f"retry-after: {RETRY_AFTER_S}\r\n" if status == 429 else ""
         head = (
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            f"content-length: {len(body)}\r\n{logs.REQUEST_ID_HEADER}: {logs.new_request_id()}\r\n"
+            f"{retry}connection: close\r\n\r\n"
         )
         self.transport.write(head.encode() + body)
         self.transport.close()

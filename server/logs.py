@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import selectors
@@ -93,6 +94,19 @@ def request_id_from(given: str | None) -> tuple[str, str]:
     if not (given.isascii() and given.isprintable()):
         return new_request_id(), "not printable ASCII"
     return given, ""
+
+
+REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
+_replaced_warned_at: dict[str, float] = {}  # protocol -> when its last such warning was logged
+
+
+def warn_replaced_id(protocol: str, given: str, why: str) -> None:
+    """A WARNING that a caller's x-request-id was not used, at most once every REPLACED_ID_WARN_EVERY_S
+    per protocol in this process."""
+    now = time.monotonic()
+    if now - _replaced_warned_at.get(protocol, -math.inf) >= REPLACED_ID_WARN_EVERY_S:
+        _replaced_warned_at[protocol] = now
+        log.warning("%s x-request-id %.64r not used (%s): this call's id is made up", protocol, given, why)
 
 
 class RequestIdFilter(logging.Filter):

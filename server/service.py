@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A cancel this close to the call's deadline is the caller's deadline passing (see _cancelled_code).
 DEADLINE_SLACK_S = 0.1
-REPLACED_ID_WARN_EVERY_S = 60.0  # a client that sends unusable ids on every call logs once a minute
 STREAM_ENDED = "the server is shutting down: a request without an answer was not run; send it on a new stream"
 # gRPC fails an answer over max_message_bytes once it is made, with no word of which limit (and ends
 # a stream with it): answers are sized first. The wire bytes of an Embedding beyond its floats, at
@@ -80,7 +79,6 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.max_stream_in_flight = max_stream_in_flight
         self.max_message_bytes = max_message_bytes
         self.places = Places(max_calls, max_waiting)  # calls being served, and waiting to be
-        self._warned_at = -REPLACED_ID_WARN_EVERY_S
         self._ending = asyncio.Event()  # set by end_streams
 
     def end_streams(self) -> None:
@@ -204,18 +202,12 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         request_id, why = logs.request_id_from(given)
         logs.current_request_id.set(request_id)
         if why:
-            self._replaced(str(given), why)
+            logs.warn_replaced_id("gRPC", str(given), why)
         if self.embedder.tracer is not None:
             self.embedder.tracer.tag(request_id)
         trailing = ((logs.REQUEST_ID_HEADER, request_id),)
         context.set_trailing_metadata(trailing)
         return trailing
-
-    def _replaced(self, given: str, why: str) -> None:
-        now = time.monotonic()
-        if now - self._warned_at >= REPLACED_ID_WARN_EVERY_S:
-            self._warned_at = now
-            log.warning("x-request-id %.64r not used (%s): this call's id is made up", given, why)
 
     def _record(self, method: str, code: grpc.StatusCode, started: float, inputs: int = 0) -> None:
         # Counted before it leaves the in-flight gauge: a scrape that reads no call in flight has

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import socket
 import threading
 import time
@@ -202,6 +203,9 @@ def test_http_connections_past_the_cap_get_429_and_silent_ones_are_closed_while_
     answer = read_answer(extra)
     assert answer.startswith(b"HTTP/1.1 429 "), answer
     assert f"{CONNECTIONS} HTTP connections open, http_max_connections is {CONNECTIONS}".encode() in answer
+    # As every other answer: the reason as OpenAI's code, Retry-After on a 429, an x-request-id.
+    assert b'"code":"front_busy"' in answer and b"\r\nretry-after: 1\r\n" in answer
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", answer), answer
     assert metric(server, "embed_requests_refused_total", reason="http_connections") >= 1
     with grpc.insecure_channel(server.address) as channel:  # the front's other listener serves
         served = embed(pb_grpc.EmbeddingServiceStub(channel), ["gRPC is not held up"])
@@ -209,6 +213,8 @@ def test_http_connections_past_the_cap_get_429_and_silent_ones_are_closed_while_
     late = read_answer(open_[0])
     assert late.startswith(b"HTTP/1.1 408 "), late
     assert f"http_header_timeout_s={HEADER_TIMEOUT_S:g}".encode() in late
+    assert b'"code":"header_timeout"' in late and b"retry-after" not in late
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", late), late
     assert [read_answer(s) for s in open_[1:]] == [b"", b""]  # sent nothing: closed, no answer
     assert time.monotonic() - started < HEADER_TIMEOUT_S + 8
     for s in [*open_, extra]:

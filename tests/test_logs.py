@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
@@ -76,7 +77,17 @@ def test_a_request_id_is_made_up_when_absent_or_unusable(server):
     assert other != made_up
     code, replaced = call(server, ["hello"], "x" * (logs.MAX_REQUEST_ID_CHARS + 1))
     assert code == grpc.StatusCode.OK and len(replaced) == 32
-    assert wait_for(lambda: any("not used" in str(line.get("message")) for line in json_lines(server)), 10)
+    assert wait_for(
+        lambda: any("gRPC x-request-id" in str(line.get("message")) for line in json_lines(server)), 10
+    )
+    # HTTP says so too (it logged the replacement at DEBUG only).
+    answer = httpx.post(
+        server.http_url + "/v1/embeddings", json={"input": "hello"}, headers={"x-request-id": "x" * 129}
+    )
+    assert answer.status_code == 200 and len(answer.headers["x-request-id"]) == 32
+    assert wait_for(
+        lambda: any("HTTP x-request-id" in str(line.get("message")) for line in json_lines(server)), 10
+    )
 
 
 def test_every_line_is_json_and_the_engines_lines_about_a_failing_batch_name_its_request(server):
