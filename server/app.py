@@ -278,6 +278,7 @@ class Supervisor:
                     if item in self.events:  # not the pipe of a front that died in this pass
                         self._read(item)
                 elif item == self.engine.sentinel:
+                    self.engine.join(STOP_MARGIN_S)  # reaped: else its exit code may still read None
                     log.error("the engine process exited with code %s: stopping", self.engine.exitcode)
                     return 1
                 elif item in fronts:

@@ -146,6 +146,8 @@ def test_a_hung_model_run_ends_the_engine_so_the_server_is_restarted_not_left_re
         assert 1.0 <= time.monotonic() - started < HOLD_S  # at the timeout, not when the run ends
         assert process.wait(30) == 1
         assert any("over --batch-timeout-s 1.0s: taken as hung" in line for line in process.lines)
+        # Read once reaped: it said "exited with code None", read as its sentinel closed.
+        assert any("the engine process exited with code 3" in line for line in process.lines)
     finally:
         process.stop()
 
