@@ -318,7 +318,14 @@ async def drain(
     await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
     places = front.service.places
     if served:
-        log.info("front %d: draining: %d calls being served, %d waiting", index, places.taken, places.waiting)
+        http = f", {front.http.calls} HTTP calls being served" if front.http is not None else ""
+        log.info(
+            "front %d: draining: %d gRPC calls being served, %d waiting%s",
+            index,
+            places.taken,
+            places.waiting,
+            http,
+        )
     # An open Watch or EmbedStream would hold the drain to its timeout: each ends (UNAVAILABLE), a
     # stream once the requests it has read are answered.
     front.readiness.health.end_watches()

@@ -616,6 +616,11 @@ class HttpListener:
     def start(self) -> None:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
 
+    @property
+    def calls(self) -> int:
+        """Requests being answered now (uvicorn's task per request in flight)."""
+        return len(self.server.server_state.tasks)
+
     async def stop(self) -> None:
         """Stop accepting, close idle connections, let requests in flight finish (within the
         graceful timeout, after which uvicorn cancels them)."""

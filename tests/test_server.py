@@ -1096,7 +1096,9 @@ def test_a_call_outlasting_the_drain_timeout_is_answered_unavailable_and_the_log
     assert "its drain timeout, 1 s, passed" in json.loads(body)["error"]["message"]
     assert not [line for line in server.lines if "Exception in ASGI application" in line]
     said = [line for line in server.lines if "drain" in line]
-    assert any("front 0: draining: 1 calls being served, 0 waiting" in line for line in said), said
+    # The HTTP call is named too: the line said "0 calls" of a front waiting on an HTTP call.
+    held = "front 0: draining: 1 gRPC calls being served, 0 waiting, 1 HTTP calls being served"
+    assert any(held in line for line in said), said
     cut = "front 0: 2 calls still waiting for the engine at the drain timeout (1s) were answered UNAVAILABLE"
     assert any("WARNING" in line and cut in line for line in said), said
 
@@ -1145,7 +1147,7 @@ def test_a_second_signal_while_draining_stops_at_once_cutting_the_calls_in_fligh
         call = embed.future(request(), timeout=120)
         children = [*server.front_pids(), server.engine_pid]
         server.proc.send_signal(signal.SIGINT)
-        held = "front 0: draining: 1 calls being served"  # the call has its place, waiting for its message
+        held = "front 0: draining: 1 gRPC calls being served"  # it has its place, waiting for its message
         assert wait_for(lambda: any(held in line for line in server.lines), 30)
         time.sleep(SHUTDOWN_NOTICE_S + 0.5)  # past the notice: the drain itself waits for the call
         assert not call.done()
