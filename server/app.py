@@ -157,6 +157,21 @@ def check_cores(config: ServerConfig, cores: int) -> None:
         )
 
 
+def warn_of_limits(config: ServerConfig) -> None:
+    """A request within max_inputs_per_request that can never fit the queue is refused OVER_QUEUE_LIMIT:
+    legitimate (a small queue refuses sooner), but clients sized by the advertised limit meet it."""
+    if config.queue_limit < config.max_inputs_per_request:
+        log.warning(
+            "%s %d is below %s %d: requests of more than %d inputs are refused (OVER_QUEUE_LIMIT); "
+            "clients read both in Info.limits",
+            setting("queue_limit"),
+            config.queue_limit,
+            setting("max_inputs_per_request"),
+            config.max_inputs_per_request,
+            config.queue_limit,
+        )
+
+
 @contextmanager
 def reserved_port(config: ServerConfig, name: str) -> Iterator[str]:
     """Hold the port of setting `name`'s address (resolving port 0) with SO_REUSEPORT while the fronts
@@ -449,6 +464,7 @@ def serve(
     read_manifest(config.model_dir)
     check_ports(config)
     warn_of_unknown_variables(environ or {})
+    warn_of_limits(config)
     with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:
         metrics_dir = Path(run_dir) / "metrics"
         metrics_dir.mkdir()

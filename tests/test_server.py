@@ -778,6 +778,9 @@ def test_a_full_queue_refuses_with_resource_exhausted(tiny_queue_server, referen
     assert metric(tiny_queue_server, "embed_queue_depth") == 0
     with EmbeddingClient(tiny_queue_server.address, timeout=30) as c:
         assert_close(c.embed(texts), reference.embed(texts))  # and it keeps serving
+    # A queue smaller than a request may be is said at the start.
+    warned = "--queue-limit (EMBED_QUEUE_LIMIT) 4 is below --max-inputs-per-request"
+    assert any(warned in line for line in tiny_queue_server.lines), tiny_queue_server.lines[:20]
 
 
 def test_bulk_requests_are_held_back_at_their_share_of_the_queue_and_interactive_ones_get_in(
