@@ -70,7 +70,12 @@ def test_the_restart_delay_doubles_to_its_cap_and_starts_over_after_a_front_serv
 def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(model_dir: Path) -> None:
     with serving("--front-processes", "1") as server:
         assert restarts(server) == 0
+        cpu = sample(server, "process_cpu_seconds_total")
         first, _ = kill_the_front(server)
+        # Until its successor runs (RESTART_FIRST_S), the dead front's CPU time still counts: a
+        # counter that fell (the sum over live processes did) reads as a reset to rate().
+        dead = [sample(server, "process_cpu_seconds_total") for _ in range(4) if not time.sleep(0.05)]
+        assert min(dead) >= cpu, (cpu, dead)
         wait_for_a_new_front(server, first)
         assert served_again(server, 1), "".join(server.lines[-10:])
         assert restarts(server) == 1
