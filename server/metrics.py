@@ -29,8 +29,10 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0
 )  # fmt: skip
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Up to the CUDA defaults' batches (1,024 rows, 131,072 padded tokens): past the last bucket a batch
+# counts only in +Inf, and the gpu overlay's batches mostly did.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Inputs per request, as the `size` label of request latency: a 64-input call is not slow for being
 # slower than a 1-input one, so latency is judged per class. "0": calls without inputs (Info, streams).
 SIZE_CLASSES = ((0, "0"), (1, "1"), (8, "2-8"), (64, "9-64"))

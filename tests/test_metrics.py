@@ -30,10 +30,18 @@ from minilm_embed.client.client import EmbeddingClient, embed_request
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows
 from minilm_embed.server.budget import held_bytes_budget, request_bytes_budget, tokenizing_budget
+from minilm_embed.server.config import AUTO_BATCH_LIMITS
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.errors import Dropped, NotReady, Overloaded
 from minilm_embed.server.http import HttpApi, ModelCard
-from minilm_embed.server.metrics import DROP_REASONS, REFUSAL_REASONS, Metrics, SupervisorMetrics
+from minilm_embed.server.metrics import (
+    BATCH_SIZE_BUCKETS,
+    BATCH_TOKEN_BUCKETS,
+    DROP_REASONS,
+    REFUSAL_REASONS,
+    Metrics,
+    SupervisorMetrics,
+)
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, serving
 
@@ -565,3 +573,10 @@ def test_live_histograms_are_consistent(served: Served) -> None:
             values = [v for _, v in buckets]
             assert values == sorted(values), (family.name, key)
             assert buckets[-1][0] == math.inf and values[-1] == counts[key], (family.name, key)
+
+
+def test_the_batch_histograms_reach_the_largest_automatic_batches():
+    """The gpu overlay's batches (1,024 rows, 131,072 padded tokens, CUDA's automatic limits) counted
+    only in +Inf when the buckets stopped at 256 rows and 16,384 tokens."""
+    for rows, tokens in AUTO_BATCH_LIMITS.values():
+        assert rows <= BATCH_SIZE_BUCKETS[-1] and tokens <= BATCH_TOKEN_BUCKETS[-1]
