@@ -292,6 +292,11 @@ class HttpApi:
             duration = time.perf_counter() - started
             self.metrics.request_duration.labels(method, size_class(inputs[0])).observe(duration)
         response.headers[logs.REQUEST_ID_HEADER] = request_id
+        if _body_left_unread(request):
+            # Answered before its body was all read (408 at the body timeout, 413, a refusal before
+            # reading): the rest of the body would come in on a connection kept alive, be taken for
+            # the next request's headers and get a 408 of its own. Closed, as RFC 9112 9.6 advises.
+            response.headers["connection"] = "close"
         return response
 
     @staticmethod
@@ -338,6 +343,14 @@ def body_size(request: Request, limit: int) -> int:
     return int(declared) if declared.isdigit() else limit
 
 
+def _body_left_unread(request: Request) -> bool:
+    """Whether the request has a body (a Content-Length above 0, or chunks) not read to its end."""
+    if getattr(request.state, "body_read", False):
+        return False
+    headers = request.headers
+    return headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The body, refused (413) as soon as the bytes read pass `limit`, and (408) if it has not all
     arrived after `timeout_s`."""
@@ -358,6 +371,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             f"the request body had sent {len(body)} bytes after {timeout_s:g} s, over the limit "
             f"http_body_timeout_s={timeout_s:g}"
         ) from None
+    request.state.body_read = True
     return bytes(body)
 
 
