@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -68,7 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ef.add_argument("--jsonl", action="store_true", help='input lines are {"id": ..., "text": "..."}')
     ef.add_argument("--resume", action="store_true", help="continue the rows already in --out")
     ef.add_argument(
-        "--batch-size", type=int, default=32, help="texts per request (at most the server's limit)"
+        "--batch-size",
+        type=int,
+        default=32,
+        help="texts per request (at most the server's max_inputs_per_request and queue_limit)",
     )
     ef.add_argument(
         "--max-request-bytes",
@@ -131,13 +135,40 @@ def _int64_as_numbers(message: Message, out: dict[str, Any]) -> None:
                 _int64_as_numbers(item, item_out)
 
 
+class UsageError(Exception):
+    """A flag's or a setting's value that no call can use; the message names it and the value."""
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What argparse's types let through and a command cannot use, refused before any call: a
+    timeout of 0, below it or NaN made the client raise a bare ValueError (a traceback), and gRPC
+    takes an infinite one as already past; a --retry-for of NaN retried for ever."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout must be a finite number of seconds above 0, not {args.timeout}")
+    if args.command != "embed-file":
+        return
+    for name in ("batch_size", "concurrency", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if not (math.isfinite(args.retry_for) and args.retry_for >= 0):
+        raise UsageError(f"--retry-for must be a finite number of seconds, at least 0, not {args.retry_for}")
+    if args.retries is not None and args.retries < 0:
+        raise UsageError(f"--retries must be at least 0, not {args.retries}")
+
+
 def security(args: argparse.Namespace) -> Security:
-    token = (
-        args.token_file.read_text(encoding="utf-8").strip()
-        if args.token_file
-        else os.environ.get("EMBED_TOKEN")
-    )
-    return Security(args.ca_cert, args.client_cert, args.client_key, token or None, args.server_name)
+    """The token from --token-file, else EMBED_TOKEN; one that is not UTF-8, or that no header can
+    carry, is the user's to fix and is said as such, naming where it came from."""
+    source = f"--token-file {args.token_file}" if args.token_file else "EMBED_TOKEN"
+    try:
+        token = (
+            args.token_file.read_text(encoding="utf-8") if args.token_file else os.environ.get("EMBED_TOKEN")
+        )
+        return Security(args.ca_cert, args.client_cert, args.client_key, token or None, args.server_name)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{source}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # Security's refusal of a token no header can carry
+        raise UsageError(f"{source}: {e}") from None
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -172,11 +203,6 @@ def check_argument(text: str, position: int) -> None:
 
 
 def bulk_job(args: argparse.Namespace) -> bulk.Job:
-    for name in ("batch_size", "concurrency", "max_request_bytes"):
-        if getattr(args, name) < 1:
-            raise bulk.InputFileError(
-                f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
-            )
     return bulk.Job(
         source=None if args.path == "-" else Path(args.path),
         out=args.out,
@@ -187,7 +213,7 @@ def bulk_job(args: argparse.Namespace) -> bulk.Job:
         concurrency=args.concurrency,
         normalize=not args.no_normalize,
         priority=args.priority,
-        backoff=bulk.Backoff(for_s=max(args.retry_for, 0.0), retries=args.retries),
+        backoff=bulk.Backoff(for_s=args.retry_for, retries=args.retries),
     )
 
 
@@ -224,7 +250,11 @@ def progress() -> Iterator[Callable[[int], None]]:
 def served(info: pb.InfoResponse) -> bulk.Served:
     limits = info.limits
     return bulk.Served(
-        info.dimensions, limits.max_inputs_per_request, limits.max_text_chars, limits.max_message_bytes
+        info.dimensions,
+        limits.max_inputs_per_request,
+        limits.max_text_chars,
+        limits.max_message_bytes,
+        limits.queue_limit,
     )
 
 
@@ -303,15 +333,33 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# The server's hints name request fields; on the command line they are flags.
+AS_FLAGS = {"send truncate=true to cut it": "drop --no-truncate to cut it"}
+
+
+def in_flags(details: str) -> str:
+    for field, flag in AS_FLAGS.items():
+        details = details.replace(field, flag)
+    return details
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     commands = {"embed": cmd_embed, "embed-file": cmd_embed_file, "info": cmd_info}
     try:
-        return commands[args.command](args)
+        check_flags(args)
+        code = commands[args.command](args)
+        sys.stdout.flush()  # inside the try: a reader that went away is caught below, not at exit
+        return code
     except grpc.RpcError as e:
-        report(f"{e.code().name}: {e.details()}", e)
+        report(f"{e.code().name}: {in_flags(e.details() or '')}", e)
         return 1
-    except (OSError, bulk.InputFileError, bulk.OutputFileError) as e:
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as a Unix tool killed by SIGPIPE does. stdout
+        # points at /dev/null so the flush at exit does not fail again (Python's docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except (OSError, UsageError, bulk.InputFileError, bulk.OutputFileError) as e:
         report(str(e), e)
         return 2
 

@@ -27,10 +27,11 @@ CSV is not read as columns: a header or a quoted newline would become rows of th
 or `.tsv` input is refused (give JSONL instead, or one text per line).
 
 Before the first request the job learns the server's limits from its Info: requests hold at most
-`max_inputs_per_request` texts, half `max_message_bytes` of text and as many rows as one answer of
-`max_message_bytes` holds (that matters only on a server run with a lower limit), and a line over
-`max_text_chars`, or too large for any request, ends the job naming its line, as any bad line does,
-after every row before it is written.
+`max_inputs_per_request` texts and at most `queue_limit` (a larger request can never be admitted; any
+up to it fits an empty queue, bulk or not), half `max_message_bytes` of text and as many rows as one
+answer of `max_message_bytes` holds (that matters only on a server run with a lower limit), and a
+line over `max_text_chars`, or too large for any request, ends the job naming its line, as any bad
+line does, after every row before it is written.
 
 Rows are written in input order as soon as they and every row before them are back, so at most
 `concurrency` requests of `batch_size` texts are held. A request refused with RESOURCE_EXHAUSTED
@@ -153,10 +154,11 @@ def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Recor
             raise InputFileError(f"{name}:{number}: not JSON ({e.msg} at column {e.colno})") from None
         except ValueError as e:  # NaN or Infinity: Python's json reads them, JSON has no such value
             raise InputFileError(f"{name}:{number}: not JSON ({e})") from None
-        if not isinstance(item, dict) or "id" not in item:
+        if not isinstance(item, dict):
             raise InputFileError(f'{name}:{number}: expected an object {{"id": ..., "text": "..."}}')
-        if "text" not in item:
-            raise InputFileError(f'{name}:{number}: the object has no "text"')
+        for key in ("id", "text"):
+            if key not in item:
+                raise InputFileError(f'{name}:{number}: the object has no "{key}"')
         text = item["text"]
         if not isinstance(text, str) or not text:
             raise InputFileError(
@@ -698,11 +700,14 @@ class Served:
     max_inputs_per_request: int = 0
     max_text_chars: int = 0
     max_message_bytes: int = 0
+    queue_limit: int = 0
 
     def batch_size(self, job: Job) -> int:
-        """At most the server's max_inputs_per_request, and as many rows as one response of its
-        max_message_bytes holds (a server run with a lower limit sends no larger answer)."""
-        most = [job.batch_size, self.max_inputs_per_request or job.batch_size]
+        """At most the server's max_inputs_per_request; at most its queue_limit (a larger request is
+        refused OVER_QUEUE_LIMIT however long it waits, and any up to it fits an empty queue, even a
+        bulk one); and as many rows as one response of its max_message_bytes holds (a server run with
+        a lower limit sends no larger answer)."""
+        most = [job.batch_size, *(n for n in (self.max_inputs_per_request, self.queue_limit) if n)]
         if self.max_message_bytes:
             most.append((self.max_message_bytes - MESSAGE_FRAMING) // (4 * self.dims + ROW_FRAMING))
         return max(1, min(most))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +152,8 @@ def to_array(response: pb.EmbedResponse) -> np.ndarray:
 
 
 def checked_timeout(timeout: float | None) -> float | None:
-    if timeout is not None and not timeout > 0:
+    """Seconds above 0, finite (gRPC takes an infinite deadline as already past), or None: none."""
+    if timeout is not None and not 0 < timeout < math.inf:
         raise ValueError(f"timeout is {timeout!r}: give seconds above 0, or None for no deadline")
     return timeout
 

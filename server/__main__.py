@@ -44,4 +44,7 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As the minilm-embed-serve script: in a client-only install, what to install, not a traceback.
+    from minilm_embed.server import serve_command
+
+    sys.exit(serve_command())

@@ -99,7 +99,10 @@ def test_jsonl_input_to_npy_writes_the_ids_beside_it(server, client, tmp_path):
     [
         ("one\n\nthree\n", [], "in.txt:2: empty line"),
         ("one\r\n\r\nthree\r\n", [], "in.txt:2: empty line"),
-        ('{"id": 1, "text": "a"}\n{"text": "b"}\n', ["--jsonl"], "in.txt:2: expected an object"),
+        # An object, only without its id: it was told "expected an object".
+        ('{"id": 1, "text": "a"}\n{"text": "b"}\n', ["--jsonl"], 'in.txt:2: the object has no "id"'),
+        ('{"id": 1, "text": "a"}\n{"id": 2}\n', ["--jsonl"], 'in.txt:2: the object has no "text"'),
+        ('{"id": 1, "text": "a"}\n["b"]\n', ["--jsonl"], "in.txt:2: expected an object"),
         ('{"id": 1, "text": "a"}\n{"id": 2, "text": ""}\n', ["--jsonl"], 'in.txt:2: "text" must be'),
         ('{"id": 1, "text": "a"}\nnot json\n', ["--jsonl"], "in.txt:2: not JSON"),
         # Valid JSON whose text UTF-8 cannot carry: it crashed the job, naming no line.
@@ -530,6 +533,41 @@ def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp
     assert done.returncode == 0, done.stderr
     assert np.load(out).shape == (300, 384)
     assert_close(np.load(out)[-3:], alone(client, lines[-3:]))
+
+
+def test_a_batch_size_over_the_servers_queue_limit_is_capped_to_it(tmp_path):
+    """A request larger than --queue-limit is refused OVER_QUEUE_LIMIT however long it waits: a job
+    of the default 32 texts a request against a queue of 16 ended at once, with no row."""
+    lines = corpus(40)
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "v.npy"
+    with serving("--queue-limit", "16") as small:
+        done = embed_file(small, str(path), "--out", str(out))
+        with EmbeddingClient(small.address, timeout=60) as c:
+            want = alone(c, lines)  # a request of 40 would be refused by this queue too
+    assert done.returncode == 0, done.stderr
+    assert_close(np.load(out), want)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1, not 0"),
+        (["--retry-for", "nan"], "--retry-for must be a finite number of seconds, at least 0, not nan"),
+        (["--retry-for", "-1"], "--retry-for must be a finite number of seconds, at least 0, not -1.0"),
+        (["--retry-for", "inf"], "--retry-for must be a finite number of seconds, at least 0, not inf"),
+        (["--retries", "-1"], "--retries must be at least 0, not -1"),
+    ],
+)
+def test_a_setting_no_job_can_use_is_refused_by_its_flag(server, tmp_path, flags, message):
+    """--retry-for nan retried for ever (max(nan, 0.0) is nan), -1 was taken as 0: both silently."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\n", encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(tmp_path / "v.npy"), *flags)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"client: error: {message}"
+    assert not list(tmp_path.glob("v.npy*"))
 
 
 def test_csv_is_refused_with_what_to_give_instead(server, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -150,3 +151,70 @@ def test_version_is_the_installed_packages_and_exits_0():
     done = run_client("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"minilm-embed {importlib.metadata.version('minilm-embed')}"
+
+
+def one_error_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("client: error: "), done.stderr
+    return lines[0].removeprefix("client: error: ")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize(
+    "command", [["info"], ["embed", "hello"], ["embed-file", "in.txt", "--out", "v.npy"]]
+)
+def test_a_timeout_no_call_can_have_is_a_usage_error_not_a_traceback(server, tmp_path, command, value):
+    """The client's ValueError for --timeout 0 was a traceback and exit 1; gRPC takes inf as already
+    past (info failed DEADLINE_EXCEEDED at once, embed-file retried that for --retry-for)."""
+    (tmp_path / "in.txt").write_text("one\n", encoding="utf-8")
+    command = [str(tmp_path / part) if part in ("in.txt", "v.npy") else part for part in command]
+    done = run_client("--address", server.address, "--timeout", value, *command)
+    assert done.returncode == 2
+    assert one_error_line(done) == f"--timeout must be a finite number of seconds above 0, not {float(value)}"
+    assert not (tmp_path / "v.npy.partial").exists()
+
+
+@pytest.mark.parametrize(
+    ("token", "env", "message"),
+    [
+        ("tökén".encode(), {}, "--token-file {}: the token holds characters a header cannot carry"),
+        (b"\xff\xfetoken", {}, "--token-file {}: not UTF-8 (invalid start byte at byte 0)"),
+        (None, {"EMBED_TOKEN": "to\x01ken"}, "EMBED_TOKEN: the token holds characters a header cannot carry"),
+    ],
+)
+def test_a_token_no_header_can_carry_is_a_usage_error_naming_where_it_came_from(
+    server, tmp_path, token, env, message
+):
+    path = tmp_path / "token"
+    flags = []
+    if token is not None:
+        path.write_bytes(token)
+        flags = ["--token-file", str(path)]
+    done = run_client("--address", server.address, *flags, "info", env=env)
+    assert done.returncode == 2
+    assert one_error_line(done).startswith(message.format(path)), done.stderr
+
+
+def test_a_text_over_the_token_limit_without_truncation_names_the_flag_to_drop(server):
+    done = run_client("--address", server.address, "embed", "--no-truncate", "word " * 300)
+    assert done.returncode == 1
+    line = one_error_line(done)
+    assert line.startswith("INVALID_ARGUMENT: input 0 has 302 tokens, over the limit max_input_tokens=256")
+    assert line.endswith("; drop --no-truncate to cut it"), line  # the server says "send truncate=true"
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly_as_sigpipe_does(server):
+    """`minilm-embed embed ... | head -c 10`: the client printed "client: error: [Errno 32] Broken pipe"."""
+    texts = [f"text {i}" for i in range(30)]  # ~230 kB of JSON: more than a pipe's buffer holds
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("EMBED_")}
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed", *texts]
+    with subprocess.Popen(
+        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(10) == b'{"dimensio'
+        proc.stdout.close()  # with the rest unread: the client's write fails EPIPE
+        stderr = proc.stderr.read().decode()
+        proc.wait(60)
+    assert stderr == ""
+    assert proc.returncode == 128 + signal.SIGPIPE

@@ -183,6 +183,8 @@ def test_settings_a_user_gets_wrong_are_refused_or_taken_as_meant(tmp_path):
         Security(token="s3c\x00ret")
     with pytest.raises(ValueError, match="timeout is 0"):
         EmbeddingClient("127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match="timeout is inf"):  # gRPC takes it as a deadline already past
+        EmbeddingClient("127.0.0.1:1", timeout=float("inf"))
     with EmbeddingClient("127.0.0.1:1") as c, pytest.raises(TypeError, match="decode it to str"):
         c.embed(b"hello")  # iterated, it was one int per byte
 

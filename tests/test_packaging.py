@@ -154,9 +154,10 @@ def test_client_console_script_runs_and_serve_says_what_to_install(client_venv: 
     helped = run(client_venv / "bin" / "minilm-embed", "--help", cwd=client_venv)
     assert helped.returncode == 0, helped.stderr
     assert helped.stdout.startswith("usage: minilm-embed ") and "embed-file" in helped.stdout
-    serve = run(client_venv / "bin" / "minilm-embed-serve", "--help", cwd=client_venv)
-    assert serve.returncode == 2
-    assert "pip install 'minilm-embed[server]'" in serve.stderr and "Traceback" not in serve.stderr
+    for command in (["minilm-embed-serve"], ["python", "-m", "minilm_embed.server"]):
+        serve = run(client_venv / "bin" / command[0], *command[1:], "--help", cwd=client_venv)
+        assert serve.returncode == 2, command  # `python -m` gave a traceback and exit 1
+        assert "pip install 'minilm-embed[server]'" in serve.stderr and "Traceback" not in serve.stderr
 
 
 def test_serve_console_script_of_the_editable_install_runs() -> None:
