@@ -214,6 +214,9 @@ class ProcessTreeCollector(Collector):
         self.lock = threading.Lock()
 
     def collect(self) -> Iterable[Metric]:
+        # Read first: a child reaped while the live ones are read is then counted in neither (the
+        # clamp holds the counter), never in both (which the clamp would hold for good).
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
         totals: dict[str, Metric] = {}
         for pid in self.pids():
             for family in prom.ProcessCollector(pid=_constant(pid), registry=None).collect():
@@ -223,14 +226,13 @@ class ProcessTreeCollector(Collector):
                 pairs = zip(kept.samples, family.samples, strict=False)
                 kept.samples = [a._replace(value=a.value + b.value) for a, b in pairs]
         if cpu := totals.get("process_cpu_seconds"):
-            cpu.samples = [s._replace(value=self._cpu_seconds(s.value)) for s in cpu.samples]
+            cpu.samples = [s._replace(value=self._cpu_seconds(s.value, reaped)) for s in cpu.samples]
         return list(totals.values())
 
-    def _cpu_seconds(self, live: float) -> float:
+    def _cpu_seconds(self, live: float, reaped: resource.struct_rusage) -> float:
         """A counter: the live processes' CPU time and that of the children reaped (a front that died,
         whose time the sum over live processes lost), never below what was served before (a child
         dead but not reaped yet is in neither)."""
-        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
         with self.lock:
             self.cpu_seconds = max(self.cpu_seconds, live + reaped.ru_utime + reaped.ru_stime)
             return self.cpu_seconds

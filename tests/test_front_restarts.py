@@ -78,6 +78,11 @@ def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(
         assert min(dead) >= cpu, (cpu, dead)
         wait_for_a_new_front(server, first)
         assert served_again(server, 1), "".join(server.lines[-10:])
+        # And it grows by the new front's own time (its start-up's), from the dead one's kept: held at
+        # its last value instead, it would wait for the new front to spend as much as the dead one did.
+        (new,) = server.front_pids()
+        grown = sample(server, "process_cpu_seconds_total") - cpu
+        assert grown >= cpu_seconds(new) - 0.05, (grown, cpu_seconds(new))
         assert restarts(server) == 1
         # Dead again within a minute of serving: twice the first delay before it is started again.
         second, _ = kill_the_front(server)
@@ -123,6 +128,12 @@ def test_a_front_restarted_onto_a_changed_repository_refuses_to_tokenize_for_it(
         )
         assert server.proc.poll() is None  # the supervisor goes on retrying the front, with backoff
         assert not served_again(server, 1, timeout=2)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sample(server: ServerProcess, name: str, **labels: str) -> float:
