@@ -333,13 +333,16 @@ class _Relay:
         """Until every pipe is at EOF, or, once closing, until they all stay empty for GROUP_WAIT_S."""
         while True:
             self._register_added()
+            closing = self.closing.is_set()  # once a pass: set meanwhile, the wake byte brings a next
             now = time.monotonic()
             held = [(key.fd, key.data) for key in self.selector.get_map().values() if key.data is not None]
             due = [self.last_read[fd] + GROUP_WAIT_S for fd, lines in held if lines.block or lines.partial]
-            if self.closing.is_set():  # a stray writer gets GROUP_WAIT_S after the last line, or the close
-                due.append(max([self.closed_at, *self.last_read.values()]) + GROUP_WAIT_S)
+            # Closing, a stray writer gets GROUP_WAIT_S after the last line read, or after the close.
+            closing_due = max([self.closed_at, *self.last_read.values()]) + GROUP_WAIT_S
+            due += [closing_due] if closing else []
             ready = self.selector.select(max(0.0, min(due) - now) if due else None)
-            if not ready and self.closing.is_set() and time.monotonic() >= due[-1]:
+            if not ready and closing and time.monotonic() >= closing_due:
+                self._read_what_is_left()
                 break
             for key, _ in ready:
                 if key.data is None:
@@ -356,6 +359,12 @@ class _Relay:
         for key in list(self.selector.get_map().values()):
             if key.data is not None:
                 _write_out(self.out, key.data.idle())
+
+    def _read_what_is_left(self) -> None:
+        """Whatever the pipes hold now, read without waiting (each pipe until empty or at EOF)."""
+        while ready := [key for key, _ in self.selector.select(0) if key.data is not None]:
+            for key in ready:
+                self._read(key.fd, key.data)
 
     def _register_added(self) -> None:
         with self.lock:
@@ -423,12 +432,13 @@ def relay_stderr() -> Callable[[], None]:
         real = os.dup(2)
     except OSError:
         return lambda: None
-    # multiprocessing starts its resource tracker with the first child; started now, it holds this
-    # pipe, not a child's, which would then never reach EOF.
-    with contextlib.suppress(Exception):
-        resource_tracker.ensure_running()
     read_end, write_end = _pipe()
     os.dup2(write_end, 2)
+    # multiprocessing starts its resource tracker with the first child: started now, it writes to
+    # this pipe (its lines JSON too, as MainProcess's), and holds it rather than a child's, which would
+    # then never reach EOF.
+    with contextlib.suppress(Exception):
+        resource_tracker.ensure_running()
     relay = _active = _Relay(read_end, real)
     reader = threading.Thread(target=relay.run, name="stderr", daemon=True)
     reader.start()

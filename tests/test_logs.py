@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -211,6 +213,36 @@ def test_a_childs_raw_lines_name_the_child_and_its_pipe_is_closed_when_it_is_gon
         ("front-0", "grpc", "E1127 12:00:00.123456  99 tcp_server.cc:1] from front-0"),
     ], done.stderr
     assert done.stdout == "0\n", "a child's pipe was left open after it exited"
+
+
+def test_a_close_that_comes_while_the_reader_waits_loses_no_line():
+    """The drain's last line and its close() may land between the reader's wait timing out and its
+    check of closing: it read `closing` twice a pass, broke out at once and left the line in the pipe
+    (a reviewer forced this order). Here the wait is made to time out just as the drain does so."""
+    out_read, out_write = os.pipe()
+    own_read, own_write = os.pipe()
+    relay = logs._Relay(own_read, out_write)
+    wait = relay.selector.select
+    drained = threading.Event()
+
+    def select(timeout: float | None = None) -> list[Any]:
+        ready = wait(timeout)
+        if not ready and timeout is not None and not drained.is_set():
+            drained.set()
+            os.write(own_write, b"the supervisor's last line\n")
+            relay.close()
+        return ready
+
+    relay.selector.select = select  # type: ignore[method-assign]
+    reader = threading.Thread(target=relay.run)
+    reader.start()
+    os.write(own_write, b"held")  # a line begun: the reader waits GROUP_WAIT_S for its end
+    reader.join(10)
+    os.close(out_write)
+    with os.fdopen(out_read) as out:
+        messages = [json.loads(line)["message"] for line in out.read().splitlines()]
+    os.close(own_write)
+    assert drained.is_set() and messages == ["held", "the supervisor's last line"], messages
 
 
 def test_a_refusal_after_logging_is_set_up_is_a_json_line():
