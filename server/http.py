@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import h11
 import numpy as np
 import orjson
 import uvicorn
@@ -325,6 +326,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     response = json_response({"error": error}, exc.status_code)
     response.headers.update(exc.headers or {})
     response.headers[logs.REQUEST_ID_HEADER] = HttpApi._request_id(request)
+    if _body_left_unread(request):
+        response.headers["connection"] = "close"
     return response
 
 
@@ -698,7 +701,14 @@ class BoundedH11(H11Protocol):
             self._stop_waiting()  # a request's headers arrived: its cycle began
 
     def on_response_complete(self) -> None:
+        # Answered before the request's body all came (a 404 or 405 that never reads it; the answers
+        # HttpApi gives say Connection: close themselves): what is left of the body would be taken
+        # for the next request's headers and get a 408 at the header timeout. Closed instead.
+        unread = self.conn.their_state is h11.SEND_BODY
         super().on_response_complete()
+        if unread and not self.transport.is_closing():
+            self.transport.close()
+            return
         if not self.transport.is_closing() and self._header_timer is None and self.cycle.response_complete:
             self._wait_for_headers()  # the next request's, however its bytes come (keep-alive aside)
 

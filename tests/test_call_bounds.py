@@ -8,6 +8,7 @@ each is answered, named, counted, and leaves the rest of the server serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import re
 import socket
@@ -223,6 +224,29 @@ def test_http_connections_past_the_cap_get_429_and_silent_ones_are_closed_while_
     with httpx.Client(base_url=server.http_url, timeout=30) as client:
         statuses = [client.get("/health").status_code for _ in range(3)]
         assert statuses == [200, 200, 200]
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT"])  # no such path; a path without that method
+def test_a_refusal_given_before_the_body_came_closes_the_connection(
+    server: ServerProcess, method: str
+) -> None:
+    """A 404 or 405 answered while the body still arrives: the rest was taken for the next request's
+    headers, and the header timeout answered a 408 nobody asked for (a reviewer found it)."""
+    port = server.http_port
+    assert port is not None
+    path = "/v1/nothing" if method == "POST" else "/v1/embeddings"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 400\r\n\r\n".encode() + b"{" * 10
+        )
+        answers = b""
+        with contextlib.suppress(OSError):
+            for _ in range(8):  # the body trickles on, past the header timeout
+                time.sleep(HEADER_TIMEOUT_S / 4)
+                sock.sendall(b"{" * 10)
+        answers = read_answer(sock)
+    assert answers.count(b"HTTP/1.1 ") == 1 and b" 408 " not in answers, answers
+    assert b"\r\nconnection: close\r\n" in answers, answers
 
 
 def test_a_connection_that_begins_its_next_request_and_stalls_gets_408_after_an_answer(
