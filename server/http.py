@@ -293,11 +293,7 @@ class HttpApi:
             duration = time.perf_counter() - started
             self.metrics.request_duration.labels(method, size_class(inputs[0])).observe(duration)
         response.headers[logs.REQUEST_ID_HEADER] = request_id
-        if _body_left_unread(request):
-            # Answered before its body was all read (408 at the body timeout, 413, a refusal before
-            # reading): the rest of the body would come in on a connection kept alive, be taken for
-            # the next request's headers and get a 408 of its own. Closed, as RFC 9112 9.6 advises.
-            response.headers["connection"] = "close"
+        _close_if_body_unread(request, response)
         return response
 
     @staticmethod
@@ -326,8 +322,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     response = json_response({"error": error}, exc.status_code)
     response.headers.update(exc.headers or {})
     response.headers[logs.REQUEST_ID_HEADER] = HttpApi._request_id(request)
-    if _body_left_unread(request):
-        response.headers["connection"] = "close"
+    _close_if_body_unread(request, response)
     return response
 
 
@@ -346,12 +341,15 @@ def body_size(request: Request, limit: int) -> int:
     return int(declared) if declared.isdigit() else limit
 
 
-def _body_left_unread(request: Request) -> bool:
-    """Whether the request has a body (a Content-Length above 0, or chunks) not read to its end."""
-    if getattr(request.state, "body_read", False):
-        return False
+def _close_if_body_unread(request: Request, response: Response) -> None:
+    """Connection: close on an answer given before the request's body (a Content-Length above 0, or
+    chunks) was all read (408 at the body timeout, 413, a refusal before reading, 404, 405): the rest
+    of the body would come in on a connection kept alive, be taken for the next request's headers and
+    get a 408 of its own. Closed, as RFC 9112 9.6 advises (BoundedH11 closes such a connection too)."""
     headers = request.headers
-    return headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+    has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+    if has_body and not getattr(request.state, "body_read", False):
+        response.headers["connection"] = "close"
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

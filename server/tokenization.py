@@ -43,7 +43,7 @@ class InputLimits:
     max_text_chars: int
 
 
-def _flatten(rows: Sequence[TokenRow], lengths: np.ndarray) -> np.ndarray:
+def _flatten(rows: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(lengths.sum()))
 
 
