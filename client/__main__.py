@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 from minilm_embed.client import bulk
 from minilm_embed.client.client import (
     DEFAULT_ADDRESS,
+    MAX_TIMEOUT_S,
     AsyncEmbeddingClient,
     EmbeddingClient,
     Security,
@@ -142,9 +143,12 @@ class UsageError(Exception):
 def check_flags(args: argparse.Namespace) -> None:
     """What argparse's types let through and a command cannot use, refused before any call: a
     timeout of 0, below it or NaN made the client raise a bare ValueError (a traceback), and gRPC
-    takes an infinite one as already past; a --retry-for of NaN retried for ever."""
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout must be a finite number of seconds above 0, not {args.timeout}")
+    takes an infinite one, or one past about 7.4e9 s, as already past; a --retry-for of NaN retried
+    for ever."""
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        raise UsageError(
+            f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {args.timeout}"
+        )
     if args.command != "embed-file":
         return
     for name in ("batch_size", "concurrency", "max_request_bytes"):

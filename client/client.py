@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,10 +150,18 @@ def to_array(response: pb.EmbedResponse) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, response.dimensions), dtype=np.float32)
 
 
+# gRPC keeps a deadline as nanoseconds since the epoch in an int64: one past about 7.4e9 s from now
+# overflows and is taken as already past (DEADLINE_EXCEEDED at once), as an infinite one is.
+MAX_TIMEOUT_S = 1e9  # about 31.7 years
+
+
 def checked_timeout(timeout: float | None) -> float | None:
-    """Seconds above 0, finite (gRPC takes an infinite deadline as already past), or None: none."""
-    if timeout is not None and not 0 < timeout < math.inf:
-        raise ValueError(f"timeout is {timeout!r}: give seconds above 0, or None for no deadline")
+    """Seconds above 0 and at most MAX_TIMEOUT_S, or None: no deadline."""
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout is {timeout!r}: give seconds above 0 and at most {MAX_TIMEOUT_S:g},"
+            " or None for no deadline"
+        )
     return timeout
 
 

@@ -185,6 +185,11 @@ def test_settings_a_user_gets_wrong_are_refused_or_taken_as_meant(tmp_path):
         EmbeddingClient("127.0.0.1:1", timeout=0)
     with pytest.raises(ValueError, match="timeout is inf"):  # gRPC takes it as a deadline already past
         EmbeddingClient("127.0.0.1:1", timeout=float("inf"))
+    # A deadline past gRPC's int64 nanoseconds (about 7.4e9 s from now) was also already past.
+    with pytest.raises(ValueError, match=r"timeout is 10000000000\.0: .* at most 1e\+09"):
+        EmbeddingClient("127.0.0.1:1", timeout=1e10)
+    with EmbeddingClient("127.0.0.1:1", timeout=1e9) as c:
+        assert c.timeout == 1e9
     with EmbeddingClient("127.0.0.1:1") as c, pytest.raises(TypeError, match="decode it to str"):
         c.embed(b"hello")  # iterated, it was one int per byte
 
