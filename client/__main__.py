@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import math
 import os
@@ -286,7 +285,10 @@ class RetryNotice:
             )
 
 
-async def embed_file(job: bulk.Job, address: str, timeout: float, security: Security) -> bulk.Stats:
+async def embed_file(
+    job: bulk.Job, address: str, timeout: float, security: Security, stop: Stop
+) -> bulk.Stats:
+    stop.cancels(asyncio.current_task())
     notice = RetryNotice(address, job.backoff)
     async with AsyncEmbeddingClient(address, timeout, security) as c:
         # A server still warming up (UNAVAILABLE) is waited for, as a refused request would be.
@@ -301,33 +303,55 @@ def plural(n: int, noun: str) -> str:
 
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
-    stopped_by: list[int] = [signal.SIGINT]
-    # Both stop the job at once, wherever it is; a SIGINT left to asyncio.run's own handler cancels the
-    # job's task and waits for it, which a read blocked on a stalled stdin in the main thread outlasts.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, functools.partial(_stop, stopped_by))
+    stop = Stop()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # until the job's event loop takes them over
+        signal.signal(signum, stop.at_once)
     try:
-        stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args)))
-    except KeyboardInterrupt:
+        stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args), stop))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        if stop.signum is None:
+            raise
         if (partial := bulk.partial_path(job.out)).exists():
             print(
                 f"client: stopped; {partial} holds the rows so far; run again with --resume to go on "
                 f"from there ({job.out} is written when every row is)",
                 file=sys.stderr,
             )
-        return 128 + stopped_by[-1]  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
+        return 128 + stop.signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
     resumed = f", {stats.resumed} of them from before" if stats.resumed else ""
     retried = plural(stats.retried, "refusal")
     print(f"wrote {plural(stats.rows, 'row')} to {job.out}{resumed}; {retried} retried", file=sys.stderr)
     return 0
 
 
-def _stop(stopped_by: list[int], signum: int, frame: object) -> None:
-    """SIGTERM (a batch system's or Kubernetes' stop) ends a job as Ctrl-C does: whole rows kept, and
-    a line saying where they are; it killed the job without one before. Input is read in a daemon
-    thread (bulk.ReadAhead), so neither asyncio.run's teardown nor the exit waits on a stalled stdin."""
-    stopped_by.append(signum)
-    raise KeyboardInterrupt
+class Stop:
+    """SIGINT and SIGTERM (a batch system's or Kubernetes' stop) end a job with its whole rows kept and
+    a line saying where they are. While the job runs, a signal cancels its task from the event loop
+    (`loop.add_signal_handler`), so the job stops at an await. A KeyboardInterrupt raised wherever the
+    main thread happened to be (as a plain signal handler does) could land inside grpc.aio's completion
+    callbacks, which swallow it after waking nothing: the job then ignored the stop and hung on a call
+    that would never end (seen once in CI). Input is read in a daemon thread (bulk.ReadAhead), so a
+    stalled stdin holds neither the cancel nor the exit. A second signal stops the job at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def at_once(self, signum: int, frame: object = None) -> None:
+        """Before and after the event loop, and a second signal: nothing to wake, nothing to lose."""
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def cancels(self, task: asyncio.Task[Any] | None) -> None:
+        assert task is not None, "called from the job's task"
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self._cancel, signum, task)
+
+    def _cancel(self, signum: int, task: asyncio.Task[Any]) -> None:
+        if self.signum is not None:
+            self.at_once(signum)
+        self.signum = signum
+        task.cancel()
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -221,3 +221,54 @@ def test_a_reader_that_stops_early_ends_the_output_quietly_as_sigpipe_does(serve
         proc.wait(60)
     assert stderr == ""
     assert proc.returncode == 128 + signal.SIGPIPE
+
+
+# A job's task under embed-file's Stop: the first signal cancels it at an await; one that outlives the
+# cancel (a teardown that hangs) is stopped at once by a second signal.
+STOP_SCRIPT = """
+import asyncio, os, signal, sys
+from minilm_embed.client.__main__ import Stop
+
+stop = Stop()
+hang_on_cancel = sys.argv[1] == "hang"
+
+async def job():
+    stop.cancels(asyncio.current_task())
+    print("ready", flush=True)
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        print("cancelled", stop.signum, flush=True)
+        if not hang_on_cancel:
+            raise
+        await asyncio.Event().wait()
+
+try:
+    asyncio.run(job())
+except asyncio.CancelledError:
+    print("stopped by cancel", flush=True)
+except KeyboardInterrupt:
+    print("stopped at once", stop.signum, flush=True)
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_signal_cancels_the_job_at_an_await_and_a_second_stops_it_at_once(hang):
+    """A signal handler that raised KeyboardInterrupt wherever the main thread was could land inside
+    grpc.aio's completion callbacks, which swallow it ("Exception ignored in ... functor_run"): the job
+    went on, a call's answer was lost, and it hung (once in CI; 2 of 450 hammered jobs here)."""
+    job = subprocess.Popen(
+        [sys.executable, "-c", STOP_SCRIPT, "hang" if hang else "return"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert job.stdout is not None
+    assert job.stdout.readline() == "ready\n"
+    job.send_signal(signal.SIGTERM)
+    assert job.stdout.readline() == "cancelled 15\n"
+    if hang:
+        job.send_signal(signal.SIGINT)
+    out, _ = job.communicate(timeout=30)
+    assert out == ("stopped at once 2\n" if hang else "stopped by cancel\n")
+    assert job.returncode == 0
