@@ -72,7 +72,8 @@ rules:
 # second run goes on when the first fails, and `make test` fails if either did. Each run lists its 12
 # slowest tests (set-up, call and tear-down apart), where CI time goes. Three workers on two cores: at two
 # the cores were idle 12% of the first run (workers waiting on timeouts and sleeps) and it took 531-548
-# s; at three 4%, 494 s (2-vCPU AMD EPYC Zen 3, 2026-11-28; the whole `make test` took 1,129 s at two).
+# s; at three 4%, 494 and 530 s (2-vCPU AMD EPYC Zen 3, 2026-11-28): a gain of 10-50 s, within the noise
+# of one machine's runs. The whole `make test` took 1,129 s at two workers and 1,148 s at three.
 TEST_WORKERS ?= 3
 PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra --durations=12
 test:
