@@ -304,8 +304,6 @@ def plural(n: int, noun: str) -> str:
 def cmd_embed_file(args: argparse.Namespace) -> int:
     job = bulk_job(args)
     stop = Stop()
-    for signum in (signal.SIGINT, signal.SIGTERM):  # until the job's event loop takes them over
-        signal.signal(signum, stop.at_once)
     try:
         stats = asyncio.run(embed_file(job, args.address, args.timeout, security(args), stop))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -333,8 +331,12 @@ class Stop:
     that would never end (seen once in CI). Input is read in a daemon thread (bulk.ReadAhead), so a
     stalled stdin holds neither the cancel nor the exit. A second signal stops the job at once."""
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self) -> None:
         self.signum: int | None = None
+        for signum in self.SIGNALS:  # until the job's event loop takes them over (`cancels`)
+            signal.signal(signum, self.at_once)
 
     def at_once(self, signum: int, frame: object = None) -> None:
         """Before and after the event loop, and a second signal: nothing to wake, nothing to lose."""
@@ -344,7 +346,7 @@ class Stop:
     def cancels(self, task: asyncio.Task[Any] | None) -> None:
         assert task is not None, "called from the job's task"
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in self.SIGNALS:
             loop.add_signal_handler(signum, self._cancel, signum, task)
 
     def _cancel(self, signum: int, task: asyncio.Task[Any]) -> None:
