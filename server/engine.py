@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import numpy as np
+import onnxruntime
 import zmq
 
 from minilm_embed.model.repository import CUDA_PROVIDER
@@ -157,6 +158,7 @@ class Engine:
                 self.config.max_batch_size,
                 self.config.max_batch_tokens,
                 b.graph_sha256,
+                onnxruntime.__version__,
             )
             for identity in self._waiting:
                 self._channel.send([identity, *protocol.ready(self.facts)])

@@ -30,7 +30,6 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import onnxruntime
 import tokenizers
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -151,7 +150,7 @@ def build_info(
     )
     versions = {
         "server": __version__,
-        "onnxruntime": onnxruntime.__version__,
+        "onnxruntime": facts.onnxruntime_version,
         "grpcio": grpc.__version__,
         "tokenizers": tokenizers.__version__,
         "python": platform.python_version(),

@@ -64,6 +64,8 @@ class EngineFacts:
     max_batch_tokens: int
     # The graph the engine runs: Info's onnx_sha256 (under --precision int8 it said the fp32 graph's).
     graph_sha256: str
+    # The ONNX Runtime the engine runs the model on: Info's versions. The fronts never load it.
+    onnxruntime_version: str
 
 
 @dataclass(frozen=True)
