@@ -73,9 +73,30 @@ def batch_limits(config: ServerConfig) -> BatchLimits:
     )
 
 
+def cpu_warm_shapes(max_rows: int, max_tokens: int, longest: int) -> list[tuple[int, int]]:
+    """The (rows, length) batches the CPU warm-up runs: the most rows of the longest inputs, the
+    largest footprint a batch within the limits has (attention's scores grow with the square of the
+    length), and the most rows the limits allow, at their longest.
+
+    Until 2026-11-28 it ran twelve, each length from 8 to the longest alone and at the budget: 3.9
+    CPU-s a start on two one-thread instances of a Zen 3, where these two take 1.3-1.6. Each
+    instance is a session of its own whose arena is nearly empty again after each run, so its
+    largest batch sets its footprint: in process (MALLOC_ARENA_MAX=1, as the engine runs), 1,500
+    pairs of random batches after each warm-up took resident memory to the same level, 301-302 and
+    336 MiB, and both warm-ups left it 11-15 MiB below that, reached in the first 300 pairs.
+    """
+    rows = min(max_rows, max_tokens)
+    return sorted(
+        {
+            (max(1, min(max_rows, max_tokens // longest)), longest),
+            (rows, max(1, min(longest, max_tokens // rows))),
+        }
+    )
+
+
 def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor) -> float:
-    """Run representative shapes, up to the batch budget, on every instance at once, on `pool`: the
-    batcher's own model threads.
+    """Run the largest batches the limits allow on every instance at once, on `pool`: the batcher's
+    own model threads.
 
     First requests then do not pay for ORT's first-run allocations, and each instance's memory
     arena reaches the footprint of its largest batch before serving. Without the concurrent part the
@@ -84,16 +105,14 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
     the kernels keep per-thread scratch buffers: warmed on threads of its own, the engine grew
     another 33 MB at its first flood of 256-token batches (bench/bench_hostile.py). On CUDA, every
     shape bucket the batch limits reach, each at its most tokens (backend.bucket_warm_shapes): the
-    GPU memory was flat only after each bucket's largest batch had run (H100, docs/gpu.md).
+    GPU memory was flat only after each bucket's largest batch had run (H100, docs/gpu.md). On the
+    CPU, two batches (cpu_warm_shapes).
     """
     started = time.perf_counter()
     if backend.provider == CUDA_PROVIDER:
         shapes = bucket_warm_shapes(config.max_batch_size, config.max_batch_tokens, longest)
     else:
-        shapes = []
-        for length in (8, 16, 32, 64, 128, longest):
-            rows = max(1, min(config.max_batch_size, config.max_batch_tokens // length))
-            shapes += [(batch, length) for batch in sorted({1, rows})]
+        shapes = cpu_warm_shapes(config.max_batch_size, config.max_batch_tokens, longest)
 
     def one_instance() -> None:
         with backend.instance() as run:  # held throughout: each thread warms an instance of its own

@@ -27,7 +27,7 @@ from minilm_embed.server.backend import (
     plan_instances,
 )
 from minilm_embed.server.config import ServerConfig
-from minilm_embed.server.engine import warm_up
+from minilm_embed.server.engine import cpu_warm_shapes, warm_up
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ class Recording:
         return np.zeros((len(ids), 4), np.float32), np.zeros((len(ids), 4), np.float32)
 
 
-def test_the_engine_warms_a_cuda_backend_through_every_bucket_and_a_cpu_one_as_before():
+def test_the_engine_warms_a_cuda_backend_through_every_bucket_and_a_cpu_one_with_its_largest_batches():
     config = ServerConfig(max_batch_size=64, max_batch_tokens=4096)
     cuda, cpu = Recording(CUDA), Recording(CPU)
     with ThreadPoolExecutor(1) as pool:
@@ -216,7 +216,22 @@ def test_the_engine_warms_a_cuda_backend_through_every_bucket_and_a_cpu_one_as_b
     assert cuda.shapes == bucket_warm_shapes(64, 4096, 256)
     # 7 row buckets (1-64) x 7 length buckets, less rows 33-64 past 128 tokens (33 x 129 > 4,096)
     assert len({bucket(*shape) for shape in cuda.shapes}) == 7 * 7 - 2
-    assert cpu.shapes[-2:] == [(1, 256), (16, 256)]  # the CPU's representative shapes, unchanged
+    assert cpu.shapes == [(16, 256), (64, 64)]
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "max_tokens", "longest"), [(32, 1024, 256), (1, 256, 256), (64, 4096, 256), (9, 300, 100)]
+)
+def test_the_cpu_warm_up_runs_the_largest_footprint_and_the_most_rows_the_limits_allow(
+    max_rows, max_tokens, longest
+):
+    shapes = cpu_warm_shapes(max_rows, max_tokens, longest)
+    assert all(1 <= r <= max_rows and r * n <= max_tokens and 1 <= n <= longest for r, n in shapes)
+    allowed = [(r, n) for r in range(1, max_rows + 1) for n in range(1, min(longest, max_tokens // r) + 1)]
+    # Attention's scores, rows x length x length, are the largest tensor a batch makes.
+    assert max(r * n * n for r, n in shapes) == max(r * n * n for r, n in allowed)
+    most_rows = max(r for r, _ in allowed)
+    assert (most_rows, max(n for r, n in allowed if r == most_rows)) in shapes
 
 
 def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_reuses_its_buffers(repo):
@@ -254,4 +269,5 @@ def test_the_warm_up_runs_every_shape_on_every_instance(provider):
     backend = Recording(provider, instances=2)
     with ThreadPoolExecutor(2) as pool:
         warm_up(backend, config, 256, pool)
-    assert backend.ran[0] == backend.ran[1] and len(backend.ran[0]) > 10
+    shapes = (bucket_warm_shapes if provider == CUDA else cpu_warm_shapes)(64, 4096, 256)
+    assert backend.ran[0] == backend.ran[1] == shapes

@@ -29,7 +29,7 @@ REPLICAS = 3
 # the accepted calls below on a busy machine: on a 2-vCPU Zen 3, under the load of the other two
 # replicas, the two calls once outlasted a 30 s grace and were cancelled ("Cancelling all calls").
 SERVER_FLAGS = ("--threads", "1", "--drain-timeout-s", "90")
-# One-row batches of the longest inputs make the warm-up, and so each start, a third as long.
+# One-row batches of the longest inputs keep the warm-up, and so each start, short.
 QUICK_START = ("--max-batch-tokens", "256")
 LOAD_THREADS = 4
 BALANCE_CALLS = 150
