@@ -74,6 +74,8 @@ rules:
 # the cores were idle 12% of the first run (workers waiting on timeouts and sleeps) and it took 531-548
 # s; at three 4%, 494 and 530 s (2-vCPU AMD EPYC Zen 3, 2026-11-28): a gain of 10-50 s, within the noise
 # of one machine's runs. The whole `make test` took 1,129 s at two workers and 1,148 s at three.
+# Where the first run's time goes is CPU (both cores busy): its tests and their children used 944
+# CPU-s before the CPU warm-up went from twelve batches to two, 791 after (61 servers start in it).
 TEST_WORKERS ?= 3
 PYTEST := EMBED_MODEL_DIR=$(abspath $(MODEL_DIR)) $(BIN)/python -m pytest -q -ra --durations=12
 test:

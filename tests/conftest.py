@@ -71,28 +71,27 @@ def checkpoint_copy(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
-# `make test` hands whole files to two xdist workers (--dist loadfile) in the order of this table:
+# `make test` hands whole files to its xdist workers (--dist loadfile) in the order of this table:
 # the longest first, then the rest in collection order, so that the run does not end with one worker
-# alone on a long file while the other idles. xdist's own reorder (most tests first) is turned off
-# in the Makefile. Seconds per file, summed over set-up, call and tear-down, from
-# `make test`'s first run with `--durations=0` (Zen 3, 2 vCPUs, 2026-11-26); a stale table costs only
-# balance, never a result.
+# alone on a long file while the others idle. xdist's own reorder (most tests first) is turned off
+# in the Makefile. Seconds per file, summed over set-up, call and tear-down, from `make test`'s first
+# run on three workers (Zen 3, 2 vCPUs, 2026-11-28); a stale table costs only balance, never a result.
 LONGEST_FILES = {
-    "test_server.py": 125,
-    "test_export.py": 121,
-    "test_bulk.py": 100,
-    "test_fronts.py": 60,
-    "test_http.py": 43,
-    "test_train.py": 43,
-    "test_packaging.py": 42,
-    "test_repository.py": 38,
-    "test_prometheus.py": 32,
-    "test_security.py": 29,
-    "test_fp16.py": 29,
-    "test_front_restarts.py": 21,
-    "test_backend.py": 18,
-    "test_weights.py": 17,
-    "test_deploy.py": 17,
+    "test_export.py": 243,
+    "test_server.py": 192,
+    "test_bulk.py": 183,
+    "test_train.py": 70,
+    "test_http.py": 68,
+    "test_fronts.py": 58,
+    "test_packaging.py": 55,
+    "test_security.py": 43,
+    "test_server_config.py": 40,
+    "test_fp16.py": 39,
+    "test_repository.py": 37,
+    "test_front_restarts.py": 34,
+    "test_prometheus.py": 31,
+    "test_client.py": 25,
+    "test_logs.py": 22,
 }
 
 
