@@ -56,10 +56,10 @@ from minilm_embed.client.client import AsyncEmbeddingClient, Security, embed_req
 from minilm_embed.export.optimize import cpu_session
 from minilm_embed.export.parity import CARRIED_SENTENCES
 from minilm_embed.model.data import read_sts, sts_path
+from minilm_embed.model.host import usable_cores
 from minilm_embed.model.repository import FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
 from minilm_embed.model.runtime import run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
-from minilm_embed.server.backend import usable_cores
 from tests.server_process import start_server
 
 CONCURRENCY = (1, 16, 64, 256)

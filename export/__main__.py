@@ -36,6 +36,7 @@ from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate,
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
 from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
+from minilm_embed.model.host import gpu_present
 from minilm_embed.model.repository import (
     CUDA_PROVIDER,
     FP32_FILE,
@@ -45,7 +46,6 @@ from minilm_embed.model.repository import (
     Manifest,
     SharedTensor,
 )
-from minilm_embed.model.runtime import gpu_present
 from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.model.weights import (
     DEFAULT_SHA256,

@@ -36,11 +36,6 @@ CUDA_OPTIONS = {
 }
 
 
-def gpu_present() -> bool:
-    """An NVIDIA driver is loaded. onnxruntime-gpu lists CUDA as available on any machine."""
-    return Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists()
-
-
 def session_options(threads: int, serving: bool) -> ort.SessionOptions:
     """Sequential execution on `threads` intra-op threads (0: ORT's default), all graph optimisations.
 

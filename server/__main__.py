@@ -25,11 +25,10 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
     # otherwise keeps a device id under ~/.cache and uploads telemetry to Microsoft. An operator's own
     # setting stands.
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    from minilm_embed.model.repository import ModelRepositoryError
     from minilm_embed.server import logs
     from minilm_embed.server.app import StartupError, configure_process, serve
-    from minilm_embed.server.backend import ModelRepositoryError
     from minilm_embed.server.config import ConfigError, load_config, requested_log_format
-    from minilm_embed.server.engine import onnx_backend
     from minilm_embed.server.security import SecurityConfigError
 
     log_format = requested_log_format(argv, os.environ)
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
         config = load_config(argv, os.environ)
         log_format = config.log_format
         configure_process(config)
-        return serve(config, backend_factory or onnx_backend, os.environ)
+        return serve(config, backend_factory, os.environ)
     except (ConfigError, ModelRepositoryError, SecurityConfigError, StartupError, ValueError, OSError) as e:
         logs.refusal(f"server: error: {e}", log_format)
         return 2

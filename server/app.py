@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import multiprocess
 
+from minilm_embed.model.host import gpu_present, usable_cores
 from minilm_embed.model.repository import CUDA_PROVIDER, read_manifest
 from minilm_embed.server import logs, signals
-from minilm_embed.server.backend import usable_cores, wanted_providers
 from minilm_embed.server.config import (
     ConfigError,
     ListenAddress,
@@ -49,10 +49,12 @@ from minilm_embed.server.config import (
     setting,
     unknown_variables,
 )
-from minilm_embed.server.engine import BackendFactory, onnx_backend, run_engine
-from minilm_embed.server.front import Place, configure_logging, reuseport_socket, run_front
 from minilm_embed.server.metrics import SupervisorMetrics
+from minilm_embed.server.place import Place, reuseport_socket
 from minilm_embed.server.security import load_token, server_credentials
+
+if TYPE_CHECKING:
+    from minilm_embed.server.engine import BackendFactory
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +96,42 @@ def plan_fronts(config: ServerConfig, cores: int) -> int:
     """
     if config.front_processes:
         return config.front_processes
-    if wanted_providers(config.device)[0] == CUDA_PROVIDER:
+    if cuda_first(config.device):
         return max(1, min(8, cores // 2))
     return 1
+
+
+def cuda_first(device: str) -> bool:
+    """Whether the engine will ask for CUDA first (backend.wanted_providers). ONNX Runtime is imported
+    only on a host with an NVIDIA driver: the supervisor does not load it otherwise."""
+    if device != "auto":
+        return device == "cuda"
+    if not gpu_present():
+        return False
+    from minilm_embed.server.backend import wanted_providers
+
+    return wanted_providers("auto")[0] == CUDA_PROVIDER
+
+
+def engine_process(
+    config: ServerConfig,
+    address: str,
+    depth: Any,
+    events: Connection,
+    stop_when: Connection,
+    backend_factory: BackendFactory | None,
+) -> None:
+    """The engine process's target: its modules (ONNX Runtime, the batcher) are imported there only."""
+    from minilm_embed.server.engine import onnx_backend, run_engine
+
+    run_engine(config, address, depth, events, stop_when, backend_factory or onnx_backend)
+
+
+def front_process(config: ServerConfig, place: Place) -> None:
+    """A front process's target: its modules (gRPC's server, HTTP, the tokenizer) are imported there only."""
+    from minilm_embed.server.front import run_front
+
+    run_front(config, place)
 
 
 def restart_delay(previous: float, served_s: float) -> float:
@@ -196,7 +231,7 @@ def reserved_ports(config: ServerConfig) -> Iterator[tuple[str, str]]:
 @dataclass
 class Supervisor:
     config: ServerConfig
-    backend_factory: BackendFactory
+    backend_factory: BackendFactory | None  # None: ONNX Runtime (engine.onnx_backend)
     run_dir: Path
     address: str
     fronts_wanted: int
@@ -233,7 +268,7 @@ class Supervisor:
         receive, send = self.context.Pipe(duplex=False)
         stop_when, self._stop_engine = self.context.Pipe(duplex=False)
         args = (self.config, self.engine_address, self.depth, send, stop_when, self.backend_factory)
-        self.engine = self.context.Process(target=run_engine, args=args, name="engine")
+        self.engine = self.context.Process(target=engine_process, args=args, name="engine")
         with logs.child_stderr("engine"):
             self.engine.start()
         self.events[receive] = "engine"
@@ -244,7 +279,7 @@ class Supervisor:
         place = Place(
             index, self.address, self.http_address, self.engine_address, self.engine.pid, self.depth, send
         )
-        front = self.context.Process(target=run_front, args=(self.config, place), name=f"front-{index}")
+        front = self.context.Process(target=front_process, args=(self.config, place), name=f"front-{index}")
         with logs.child_stderr(front.name):
             front.start()
         self.fronts[index] = front
@@ -451,7 +486,7 @@ def warn_of_unknown_variables(environ: Mapping[str, str]) -> None:
 
 def serve(
     config: ServerConfig,
-    backend_factory: BackendFactory = onnx_backend,
+    backend_factory: BackendFactory | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1).
@@ -524,7 +559,7 @@ def configure_process(config: ServerConfig) -> None:
         # every process's fd 2 goes through a pipe this process turns into JSON lines. Drained at exit
         # (after an uncaught exception too), after the children have stopped.
         atexit.register(logs.relay_stderr())
-    configure_logging(config)
+    logs.configure(config.log_level, config.log_format)
     # The tokenizer's own thread pool would compete with ONNX Runtime's threads for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # gRPC's C core logs past Python's logging, and since it moved to absl its default prints INFO

@@ -10,16 +10,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import os
 import queue
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from minilm_embed.model.host import gpu_present, usable_cores
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
@@ -32,7 +30,7 @@ from minilm_embed.model.repository import (
     open_repository,
     read_manifest,
 )
-from minilm_embed.model.runtime import gpu_present, new_session, run_graph, shared_initializers
+from minilm_embed.model.runtime import new_session, run_graph, shared_initializers
 from minilm_embed.server.config import Device
 
 # The repository's reader is re-exported: the server opens the model through this module.
@@ -54,46 +52,6 @@ def wanted_providers(device: Device) -> list[str]:
     if device == "cuda" or (CUDA_PROVIDER in ort.get_available_providers() and gpu_present()):
         return [CUDA_PROVIDER, CPU_PROVIDER]
     return [CPU_PROVIDER]
-
-
-# cgroup v2: the CPU quota of this process's cgroup and its ancestors (a container's and its pod's).
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
-
-
-def usable_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
-    """Cores this process may use: its CPU affinity (e.g. a container's cpuset), at most its cgroup's
-    CPU quota (a pod's CPU limit, `docker run --cpus`).
-
-    In a container the affinity is usually every core of the node: a pod limited to 2 CPUs on a
-    64-core node would otherwise plan fronts and threads for 64.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    quota = cgroup_cpus(root, proc_cgroup)
-    return min(cores, quota) if quota else cores
-
-
-def cgroup_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
-    """Whole CPUs the tightest cgroup v2 `cpu.max` above this process allows (quota / period, rounded
-    up); None where none is set ("max") or there is no cgroup v2 hierarchy."""
-    try:
-        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    own = next((line[3:] for line in lines if line.startswith("0::")), None)
-    if own is None:
-        return None
-    here = root / own.strip().lstrip("/")
-    limits = [_cpu_max(d / "cpu.max") for d in (here, *here.parents) if d.is_relative_to(root)]
-    return min((n for n in limits if n is not None), default=None)
-
-
-def _cpu_max(path: Path) -> int | None:
-    try:
-        quota, period = path.read_text(encoding="utf-8").split()
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        return None
 
 
 def plan_instances(provider: str, instances: int, threads: int, cores: int) -> tuple[int, int]:

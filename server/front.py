@@ -21,12 +21,10 @@ import multiprocessing
 import os
 import platform
 import signal
-import socket
 import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -45,11 +43,12 @@ from minilm_embed.model.tokenizer import Tokenizer
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__, logs, protocol
 from minilm_embed.server.budget import Budget, held_bytes_budget, request_bytes_budget, tokenizing_budget
-from minilm_embed.server.config import ServerConfig, listen_address
+from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.place import Place, reuseport_socket
 from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
 from minilm_embed.server.security import BearerAuth, load_token, server_credentials
@@ -171,25 +170,6 @@ def build_info(
         model_instances=facts.instances,
         threads_per_instance=facts.threads,
     )
-
-
-def reuseport_socket(address: str) -> socket.socket:
-    """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port, and
-    SO_REUSEADDR, as every server's listener has (gRPC's own do): the connections it accepts inherit
-    it, and those the server closed first, left in TIME_WAIT for a minute, then do not keep a server
-    started again on the port from binding it (check_ports refused it: "in use")."""
-    where = listen_address(address)
-    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP;
-    # without it a response's header and body writes met delayed ACKs (40 ms per HTTP call).
-    sock = socket.socket(where.family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((where.host, where.port))
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def model_card(config: ServerConfig, manifest: Manifest) -> ModelCard:
@@ -438,19 +418,6 @@ def watch_process(pid: int, on_exit: Any) -> None:
         on_exit()
 
     loop.add_reader(fd, ended)
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a front process stands: its index, the address it serves, the engine it talks to."""
-
-    index: int
-    address: str
-    http_address: str  # "" when HTTP is off
-    engine_address: str
-    engine_pid: int
-    depth: Any  # the engine's published queue depth (a shared value)
-    events: Connection  # to the supervisor
 
 
 def start_tracing(config: ServerConfig) -> RequestTracer | None:

@@ -29,10 +29,10 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from minilm_embed.model import host
+from minilm_embed.model.host import cgroup_cpus, usable_cores
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
-from minilm_embed.server import backend
 from minilm_embed.server.app import check_cores, plan_fronts
-from minilm_embed.server.backend import cgroup_cpus, usable_cores
 from minilm_embed.server.config import AUTO_BATCH_LIMITS, ServerConfig, env_name, load_config
 from minilm_embed.server.front import SHUTDOWN_NOTICE_S
 from minilm_embed.server.health import SERVICE_NAME
@@ -483,7 +483,7 @@ def test_auto_fronts_follow_the_pods_cpu_limit_not_the_nodes_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A 64-core node: the pod may run on any core.
-    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(64)))
     cuda = ServerConfig(device="cuda")
     limited = fake_cgroup(tmp_path, {"kubepods/pod1/server": "200000 100000"})
     assert plan_fronts(cuda, usable_cores(tmp_path / "cgroup", limited)) == 1

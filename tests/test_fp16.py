@@ -17,6 +17,7 @@ from onnx import TensorProto
 from minilm_embed.export import fp16
 from minilm_embed.export.optimize import cpu_session
 from minilm_embed.export.parity import FP16_MIN_COSINE_VS_FP32
+from minilm_embed.model.host import gpu_present
 from minilm_embed.model.repository import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
@@ -26,7 +27,7 @@ from minilm_embed.model.repository import (
     open_repository,
     read_manifest,
 )
-from minilm_embed.model.runtime import gpu_present, run_graph
+from minilm_embed.model.runtime import run_graph
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from tests.server_process import ROOT
 

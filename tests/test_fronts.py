@@ -28,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minilm_embed.client.client import AsyncEmbeddingClient, EmbeddingClient, embed_request, to_array
+from minilm_embed.model.host import gpu_present
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.app import STOP_MARGIN_S
@@ -113,14 +114,16 @@ def test_every_front_serves_the_same_vectors_and_metrics_count_each_call_once(tw
 
 
 def test_only_the_engine_loads_onnx_runtime_and_info_names_the_one_it_runs(two_fronts):
-    """The fronts never touch the model: ONNX Runtime (18 MB resident, 0.2 s of import) is mapped in
-    the engine alone, and Info's version of it is the engine's."""
+    """Neither the fronts nor the supervisor touch the model: ONNX Runtime (18 MB resident, 0.2 s of
+    import) is mapped in the engine alone, and Info's version of it is the engine's. (A supervisor on
+    a host with an NVIDIA driver imports it to ask whether CUDA is usable.)"""
 
     def maps_onnx_runtime(pid: int) -> bool:
         return "onnxruntime" in Path(f"/proc/{pid}/maps").read_text()
 
     assert two_fronts.engine_pid is not None and maps_onnx_runtime(two_fronts.engine_pid)
     assert [pid for pid in two_fronts.front_pids() if maps_onnx_runtime(pid)] == []
+    assert gpu_present() or not maps_onnx_runtime(two_fronts.proc.pid)
     with EmbeddingClient(two_fronts.address, timeout=30) as c:
         assert c.info().versions["onnxruntime"] == onnxruntime.__version__
 

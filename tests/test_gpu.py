@@ -17,8 +17,8 @@ import onnxruntime as ort
 import pytest
 
 from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.model.host import gpu_present
 from minilm_embed.model.repository import CUDA_PROVIDER, FP16_FILE, FP32_FILE, TOKENIZER_FILE, open_repository
-from minilm_embed.model.runtime import gpu_present
 from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from tests.gpu_memory import gpu_memory_mib

@@ -31,8 +31,8 @@ from starlette.routing import Route
 
 from minilm_embed.client.client import EmbeddingClient, Security
 from minilm_embed.server.errors import InvalidInput
-from minilm_embed.server.front import reuseport_socket
 from minilm_embed.server.http import BoundedH11, parse_input
+from minilm_embed.server.place import reuseport_socket
 from tests.server_process import ServerProcess, fault_entry, flags, serving
 from tests.stand_in_server import HOLD_TEXT
 from tests.test_server import DIMENSIONS, LONG, SHORT, assert_close, metric

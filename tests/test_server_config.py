@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from minilm_embed.client.client import EmbeddingClient
-from minilm_embed.server.backend import usable_cores
+from minilm_embed.model.host import usable_cores
 from minilm_embed.server.config import (
     ConfigError,
     ServerConfig,

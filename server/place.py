@@ -1,0 +1,46 @@
+"""Where a front process stands, as the supervisor places it, and the listening socket the supervisor
+and every front bind one port with.
+
+Light on purpose: the supervisor imports it, and never the fronts' or the engine's modules.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minilm_embed.server.config import listen_address
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a front process stands: its index, the address it serves, the engine it talks to."""
+
+    index: int
+    address: str
+    http_address: str  # "" when HTTP is off
+    engine_address: str
+    engine_pid: int
+    depth: Any  # the engine's published queue depth (a shared value)
+    events: Connection  # to the supervisor
+
+
+def reuseport_socket(address: str) -> socket.socket:
+    """A TCP socket bound to `host:port` with SO_REUSEPORT, so that every front can bind the port, and
+    SO_REUSEADDR, as every server's listener has (gRPC's own do): the connections it accepts inherit
+    it, and those the server closed first, left in TIME_WAIT for a minute, then do not keep a server
+    started again on the port from binding it (check_ports refused it: "in use")."""
+    where = listen_address(address)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP;
+    # without it a response's header and body writes met delayed ACKs (40 ms per HTTP call).
+    sock = socket.socket(where.family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((where.host, where.port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
