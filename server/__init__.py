@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 __version__ = "0.1.0"  # pyproject.toml's (the image runs from source, without package metadata)
@@ -14,7 +15,12 @@ def serve_command() -> int:
     """The `minilm-embed-serve` console script: `minilm-embed-serve`, or what to install for it."""
     from minilm_embed.server.__main__ import main
 
+    # Looked for, not imported: the supervisor never imports ONNX Runtime or the tokenizer (its
+    # children do), so a missing one would otherwise surface as a child's traceback after start.
+    missing = sorted(name for name in SERVER_EXTRA if importlib.util.find_spec(name) is None)
     try:
+        if missing:
+            raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
         return main()  # which imports the server's modules first thing
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] not in SERVER_EXTRA:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import os
 import re
 import socket
@@ -15,6 +16,7 @@ import pytest
 
 from minilm_embed.client.client import EmbeddingClient
 from minilm_embed.model.host import usable_cores
+from minilm_embed.server import serve_command
 from minilm_embed.server.config import (
     ConfigError,
     ServerConfig,
@@ -640,3 +642,15 @@ def test_the_server_warns_once_of_variables_that_are_no_setting():
     assert "EMBED_DEVCE (closest setting: EMBED_DEVICE)" in warnings[0]
     assert "EMBED_MAX_BATCH_SIZ (closest setting: EMBED_MAX_BATCH_SIZE)" in warnings[0]
     assert "EMBED_DATA_DIR" not in warnings[0] and "EMBED_TOKEN" not in warnings[0]
+
+
+def test_serve_without_a_server_module_installed_says_what_to_install_before_starting(monkeypatch, capsys):
+    """The supervisor never imports ONNX Runtime (the engine does): without it installed, the command
+    says what to install at once, not after the engine process failed to start."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a)
+    )
+    assert serve_command() == 2
+    err = capsys.readouterr().err
+    assert "No module named 'onnxruntime'" in err and "pip install 'minilm-embed[server]'" in err
