@@ -77,8 +77,8 @@ WORKDIR /app
 COPY server/ minilm_embed/server/
 COPY client/ minilm_embed/client/
 # Only the torch-free modules serving imports (tests/test_serving_without_torch.py serves from these).
-COPY model/__init__.py model/checksum.py model/config.py model/repository.py model/runtime.py \
-     model/tokenizer.py minilm_embed/model/
+COPY model/__init__.py model/checksum.py model/config.py model/host.py model/repository.py \
+     model/runtime.py model/tokenizer.py minilm_embed/model/
 COPY --from=export /src/minilm_embed/proto/ minilm_embed/proto/
 COPY --from=export /model /model
 # Compiled now: the Kubernetes manifests mount the root filesystem read-only.
