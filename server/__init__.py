@@ -18,13 +18,18 @@ def serve_command() -> int:
     # Looked for, not imported: the supervisor never imports ONNX Runtime or the tokenizer (its
     # children do), so a missing one would otherwise surface as a child's traceback after start.
     missing = sorted(name for name in SERVER_EXTRA if importlib.util.find_spec(name) is None)
+    if missing:
+        return needs_server_extra(f"No module named {missing[0]!r}")
     try:
-        if missing:
-            raise ModuleNotFoundError(f"No module named {missing[0]!r}", name=missing[0])
         return main()  # which imports the server's modules first thing
     except ModuleNotFoundError as e:
         if (e.name or "").partition(".")[0] not in SERVER_EXTRA:
             raise
-        install = "pip install 'minilm-embed[server]'"
-        print(f"minilm-embed-serve: error: {e}; the server needs: {install}", file=sys.stderr)
-        return 2
+        return needs_server_extra(str(e))
+
+
+def needs_server_extra(error: str) -> int:
+    """Say what is missing and what to install; exit status 2."""
+    install = "pip install 'minilm-embed[server]'"
+    print(f"minilm-embed-serve: error: {error}; the server needs: {install}", file=sys.stderr)
+    return 2

@@ -78,7 +78,7 @@ def cpu_warm_shapes(max_rows: int, max_tokens: int, longest: int) -> list[tuple[
     largest footprint a batch within the limits has (attention's scores grow with the square of the
     length), and the most rows the limits allow, at their longest.
 
-    Until 2026-11-28 it ran twelve, each length from 8 to the longest alone and at the budget: 3.9
+    Until 2026-11-28 it ran twelve, each length from 8 to the longest alone and at the budget: 3.7-3.9
     CPU-s a start on two one-thread instances of a Zen 3, where these two take 1.3-1.6. Each
     instance is a session of its own whose arena is nearly empty again after each run, so its
     largest batch sets its footprint: in process (MALLOC_ARENA_MAX=1, as the engine runs), 1,500
