@@ -481,6 +481,17 @@ def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenR
         with contextlib.suppress(OverflowError):  # past int64: named below
             return np.fromiter(row, dtype=np.int64, count=len(row))
     for j, t in enumerate(row):
+        # orjson reads an integer past 64 bits as a float (2**64 arrives as 1.8446744073709552e+19):
+        # whether it was written as one or not, no such number is in the vocabulary.
+        if (type(t) is int and not -_INT64 <= t < _INT64) or (type(t) is float and _past_int64(t)):
+            raise InvalidField(
+                "input",
+                f"input {i}: token id {shown(t)} at position {j} is outside the vocabulary",
+                "TOKEN_ID_OUT_OF_RANGE",
+                input=i,
+                position=j,
+                value=t,
+            )
         if type(t) is not int:
             raise InvalidField(
                 "input",
@@ -489,16 +500,11 @@ def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenR
                 input=i,
                 position=j,
             )
-        if not -_INT64 <= t < _INT64:
-            raise InvalidField(
-                "input",
-                f"input {i}: token id {t} at position {j} is outside the vocabulary",
-                "TOKEN_ID_OUT_OF_RANGE",
-                input=i,
-                position=j,
-                value=t,
-            )
     return row
+
+
+def _past_int64(number: float) -> bool:
+    return number.is_integer() and not -_INT64 <= number < _INT64
 
 
 def check_dimensions(value: object, card: ModelCard) -> None:

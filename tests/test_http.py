@@ -274,6 +274,20 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             "token_id_out_of_range",
             ["token id 9223372036854775808 at position 1", "vocabulary"],
         ),
+        # Past 64 bits JSON's parser gives a float: still a number outside the vocabulary, not "not an
+        # integer" (the caller sent an integer).
+        (
+            {"input": [[101, 2**64]]},
+            "input",
+            "token_id_out_of_range",
+            ["token id 1.8446744073709552e+19 at position 1 is outside the vocabulary"],
+        ),
+        (
+            {"input": [101, -(10**30)]},
+            "input",
+            "token_id_out_of_range",
+            ["token id -1e+30 at position 1 is outside the vocabulary"],
+        ),
         ({"input": [[101, 999_999]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
         # Bodies past 64 KiB and past 16,384 ids are parsed and checked off the event loop: the same
         # answers, the fault named where it is.
