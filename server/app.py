@@ -168,14 +168,17 @@ def check_ports(config: ServerConfig) -> None:
 
 
 def check_cores(config: ServerConfig, cores: int) -> None:
-    """Refuse --threads or --model-instances above `cores` (usable_cores: the CPU affinity, at most the
-    cgroup's CPU limit), and warn when both set ask for more threads than that.
+    """Refuse --threads, --model-instances or --front-processes above `cores` (usable_cores: the CPU
+    affinity, at most the cgroup's CPU limit), and warn when both of the first two set ask for more
+    threads than that.
 
     ONNX Runtime starts every thread asked for (a user-acceptance pass reported --threads 100000
-    hanging or exhausting the machine), and more threads or instances than cores cannot run at
-    once: they only take turns.
+    hanging or exhausting the machine), and the supervisor every front: --front-processes 1000 on 2
+    cores started a process for each (about 95 MB resident once serving) until the machine ran out of
+    memory and even SIGTERM took minutes. More of any of them than cores cannot run at once: they only
+    take turns.
     """
-    for name in ("threads", "model_instances"):
+    for name in ("threads", "model_instances", "front_processes"):
         value = getattr(config, name)
         if value > cores:
             raise ConfigError(

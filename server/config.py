@@ -341,8 +341,8 @@ _HELP = {
     "threads": "ONNX Runtime intra-op threads per instance, at most the usable cores (0: usable cores / "
     "instances)",
     "front_processes": (
-        "front processes (gRPC and HTTP: validate, tokenize, respond) sharing the port over one engine "
-        "(0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
+        "front processes (gRPC and HTTP: validate, tokenize, respond) sharing the port over one engine, "
+        "at most the usable cores (0: auto, 1 on the CPU provider, half the cores up to 8 on CUDA)"
     ),
     "drain_timeout_s": "on SIGTERM, how long in-flight calls may take to finish (a second signal stops "
     "at once)",

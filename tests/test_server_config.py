@@ -221,10 +221,10 @@ def test_version_is_the_installed_packages_and_exits_0():
     assert done.stdout.strip() == f"minilm-embed-serve {importlib.metadata.version('minilm-embed')}"
 
 
-@pytest.mark.parametrize("name", ["threads", "model_instances"])
-def test_threads_or_instances_above_the_usable_cores_are_refused_at_start(name):
+@pytest.mark.parametrize("name", ["threads", "model_instances", "front_processes"])
+def test_threads_instances_or_fronts_above_the_usable_cores_are_refused_at_start(name):
     """--threads 100000 was reported to hang or exhaust the machine: ONNX Runtime starts every
-    thread it is asked for."""
+    thread it is asked for. --front-processes 1000 did too: a Python interpreter each."""
     cores = usable_cores()
     line = refused_at_start(flag(name), str(cores + 1))
     assert line == (
