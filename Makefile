@@ -43,8 +43,11 @@ model: $(MODEL_DIR)/manifest.json
 $(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt $(if $(WEIGHTS),$(WEIGHTS)/model.safetensors)
 	$(BIN)/python -m minilm_embed.export --out $(MODEL_DIR) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
 
+# SERVE_FLAGS: any server flags, e.g. SERVE_FLAGS="--address 127.0.0.1:50052 --http-address 127.0.0.1:8081"
+# (the EMBED_* variables work too: no flag here overrides them but --model-dir).
+SERVE_FLAGS ?=
 serve: $(STAMP) proto model
-	$(BIN)/python -m minilm_embed.server --model-dir $(MODEL_DIR) --address 0.0.0.0:50051
+	$(BIN)/python -m minilm_embed.server --model-dir $(MODEL_DIR) $(SERVE_FLAGS)
 
 lint: $(STAMP) proto
 	$(BIN)/ruff check $(LINT_PATHS)

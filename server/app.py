@@ -195,6 +195,16 @@ def check_cores(config: ServerConfig, cores: int) -> None:
         )
 
 
+def check_batch_tokens(config: ServerConfig, max_input_tokens: int) -> None:
+    """Refuse a token budget that cannot hold one input of the model's longest: found before any
+    child starts (the engine found it after the fronts had started, naming no flag)."""
+    if 0 < config.max_batch_tokens < max_input_tokens:
+        raise ConfigError(
+            f"{setting('max_batch_tokens')} {config.max_batch_tokens} cannot hold one input of the "
+            f"model's max_input_tokens {max_input_tokens}: set at least {max_input_tokens}, or 0 (auto)"
+        )
+
+
 def warn_of_limits(config: ServerConfig) -> None:
     """A request within max_inputs_per_request that can never fit the queue is refused OVER_QUEUE_LIMIT:
     legitimate (a small queue refuses sooner), but clients sized by the advertised limit meet it."""
@@ -499,7 +509,7 @@ def serve(
     check_cores(config, usable_cores())
     # The manifest's one line before any port is bound or announced (the graphs' checksums are the
     # engine's to verify, as it loads them): a wrong --model-dir must not look like a server starting.
-    read_manifest(config.model_dir)
+    check_batch_tokens(config, read_manifest(config.model_dir).config.max_seq_length)
     check_ports(config)
     warn_of_unknown_variables(environ or {})
     warn_of_limits(config)

@@ -63,7 +63,11 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_NOTICE_S = 1.0
 DRAIN_CUT_MARGIN_S = 0.5  # before the drain timeout: calls still waiting then are answered, not cut
-ENGINE_GONE = "the engine process stopped; the server is restarting"
+# Not "restarting": the supervisor exits 1, and only what runs it (Kubernetes, systemd) starts it again.
+ENGINE_GONE = (
+    "the engine process stopped; this server is stopping (exit 1): retry, on another replica or once "
+    "it is started again"
+)
 _POOLING = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
 _PRECISION = {"fp32": pb.PRECISION_FP32, "fp16": pb.PRECISION_FP16, "int8": pb.PRECISION_INT8}
 

@@ -193,7 +193,8 @@ def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model
         os.kill(process.engine_pid, signal.SIGKILL)
         caller.join(30)
         assert outcome["code"] == grpc.StatusCode.UNAVAILABLE, outcome
-        assert "engine" in str(outcome["details"]) and outcome["reason"] == "ENGINE_STOPPED"
+        assert "engine process stopped; this server is stopping" in str(outcome["details"])
+        assert outcome["reason"] == "ENGINE_STOPPED"
         assert float(outcome["at"]) - killed < 1.0  # at once, not at the call's deadline
         assert process.wait(30) == 1
         assert any("engine process exited" in line for line in process.lines)
