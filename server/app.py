@@ -266,6 +266,7 @@ class Supervisor:
     caught: list[int] = field(default_factory=list)
     wakeup: int | None = None
     forced: bool = False
+    cut: bool = False  # a forced stop killed a front: calls in flight may have been lost
     _stop_signals: int = 1  # the signals caught that count as the stop under way
     _stop_started: float = 0.0  # time.monotonic() when stop() began
 
@@ -427,8 +428,10 @@ class Supervisor:
             engine_deadline = time.monotonic() + STOP_MARGIN_S  # one grace for both waits
             self._wait_for([self.engine], engine_deadline)
             codes.append(_join(self.engine, engine_deadline))
-        if self.forced:
+        if self.cut:
             return 128 + self.caught[-1]
+        if self.forced:  # only the engine was left, with nothing to answer: a clean stop
+            codes[-1] = 0
         # Stopped before it ever served: no call was accepted, so none was lost.
         return 0 if all(code == 0 for code in codes) or not served else 1
 
@@ -455,13 +458,21 @@ class Supervisor:
         gunicorn's). Calls in flight are cut: their clients see the connection close (UNAVAILABLE)."""
         self.forced = True
         children = [p for p in (*self.fronts.values(), self.engine) if p is not None and p.is_alive()]
-        log.warning(
-            "a second stop signal (%s) while draining: stopping now, calls in flight are cut (%d "
-            "processes killed, exit %d)",
-            signal.Signals(self.caught[-1]).name,
-            len(children),
-            128 + self.caught[-1],
-        )
+        self.cut = any(front.is_alive() for front in self.fronts.values())
+        name = signal.Signals(self.caught[-1]).name
+        if self.cut:
+            log.warning(
+                "a second stop signal (%s) while draining: stopping now, calls in flight are cut (%d "
+                "processes killed, exit %d)",
+                name,
+                len(children),
+                128 + self.caught[-1],
+            )
+        else:  # the drain was over: no call is lost, and exit 130 would say one might have been
+            log.info(
+                "a second stop signal (%s) after the fronts had stopped: the engine stopped at once",
+                name,
+            )
         for process in children:
             process.kill()
 

@@ -332,15 +332,19 @@ async def drain(
     cut = asyncio.get_running_loop().call_later(
         max(0.0, timeout - min(DRAIN_CUT_MARGIN_S, timeout / 10)), cut_off
     )
+    # What was open as the listeners stop: at --drain-timeout-s 0 every stop takes "the timeout", and
+    # said that calls were cancelled when none was open.
+    open_calls = {"gRPC": places.taken + places.waiting}
     stopping = {"gRPC": _seconds(front.server.stop(timeout))}
     if front.http is not None:
+        open_calls["HTTP"] = front.http.calls
         stopping["HTTP"] = _seconds(front.http.stop())
     took = dict(zip(stopping, await asyncio.gather(*stopping.values()), strict=True))
     cut.cancel()
     if not served:
         return
     for api, seconds in took.items():
-        if seconds >= timeout:
+        if seconds >= timeout and open_calls[api]:
             log.warning(
                 "front %d: %s: calls open past the drain timeout (%.0fs) were cancelled", index, api, timeout
             )

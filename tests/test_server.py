@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import queue
 import re
 import signal
@@ -1032,6 +1033,19 @@ def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
 
+def test_a_drain_with_no_call_open_says_nothing_was_cancelled_even_at_a_zero_timeout():
+    """At --drain-timeout-s 0 each listener's stop takes "the timeout": an operator's pass saw
+    "calls open past the drain timeout (0s) were cancelled" after "0 gRPC calls being served"."""
+    with serving("--drain-timeout-s", "0") as server:
+        with urllib.request.urlopen(server.http_url + "/health", timeout=10) as health:
+            assert health.status == 200
+        server.terminate()
+        assert server.wait(30) == 0
+    idle = "draining: 0 gRPC calls being served, 0 waiting, 0 HTTP calls"
+    assert any(idle in line for line in server.lines)
+    assert not [line for line in server.lines if "were cancelled" in line]
+
+
 def test_an_open_stream_is_answered_then_ended_unavailable_at_the_drain_and_does_not_hold_it():
     """A long-lived EmbedStream held each drain until its timeout, and every item sent on it meanwhile
     was refused one by one (UNAVAILABLE "not serving"), the stream itself still open: a client had to
@@ -1175,6 +1189,24 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_stop_not_a_forced_one():
         code = server.wait(60)
     assert code == 0, "".join(server.lines[-20:])
     assert not [line for line in server.lines if "second stop signal" in line]
+
+
+def test_a_second_stop_signal_after_the_fronts_stopped_cuts_nothing_and_exits_0():
+    """An operator's pass: a second Ctrl-C just after the drain ended (while the engine exits) gave
+    exit 130 and "calls in flight are cut", after "fronts stopped ... exit codes [0]". Here the engine
+    is held stopped (SIGSTOP) so that the supervisor is surely waiting for it when the signal comes."""
+    with serving() as server:
+        assert server.engine_pid is not None
+        os.kill(server.engine_pid, signal.SIGSTOP)
+        server.proc.send_signal(signal.SIGINT)
+        assert wait_for(lambda: any("fronts stopped after" in line for line in server.lines), 30)
+        time.sleep(1.5)  # past SAME_STOP_S: not taken for the first signal delivered twice
+        server.proc.send_signal(signal.SIGINT)
+        code = server.wait(30)
+    assert code == 0, "".join(server.lines[-20:])
+    said = [line for line in server.lines if "second stop signal" in line]
+    assert len(said) == 1 and "after the fronts had stopped: the engine stopped at once" in said[0], said
+    assert not [line for line in server.lines if "are cut" in line or "did not stop in time" in line]
 
 
 def test_the_server_leaves_no_onnx_runtime_telemetry_behind(tmp_path, monkeypatch):
