@@ -22,9 +22,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import fcntl
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -524,15 +526,58 @@ def serve(
     check_ports(config)
     warn_of_unknown_variables(environ or {})
     warn_of_limits(config)
-    with tempfile.TemporaryDirectory(prefix="embed-") as run_dir, reserved_ports(config) as addresses:
-        metrics_dir = Path(run_dir) / "metrics"
+    with run_directory() as run_dir, reserved_ports(config) as addresses:
+        metrics_dir = run_dir / "metrics"
         metrics_dir.mkdir()
         # Read by prometheus_client when each child imports it: every process records into files there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         address, http_address = addresses
         fronts = plan_fronts(config, usable_cores())
-        supervisor = Supervisor(config, backend_factory, Path(run_dir), address, fronts, http_address)
+        supervisor = Supervisor(config, backend_factory, run_dir, address, fronts, http_address)
         return _supervise(supervisor, metrics_dir)
+
+
+RUN_PREFIX = "embed-"
+RUN_LOCK = "supervisor.lock"
+
+
+@contextmanager
+def run_directory() -> Iterator[Path]:
+    """The server's directory (the metrics files, the engine's socket) in the temp dir, removed at the
+    end and locked (flock) for the supervisor's life; those of servers killed before they could
+    remove theirs (SIGKILL, the OOM killer) are removed first. An operator's pass saw one left by every
+    such death, 120 kB to 15 MB each, and under Kubernetes /tmp is an emptyDir with a 64 MiB limit
+    that outlives the container's restarts: past it the pod is evicted."""
+    remove_stale_run_directories(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=RUN_PREFIX) as name:
+        lock = os.open(Path(name) / RUN_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield Path(name)
+        finally:
+            os.close(lock)
+
+
+def remove_stale_run_directories(temp: Path) -> None:
+    """Remove this user's run directories whose lock no process holds: the kernel lets go of a flock
+    when its holder dies, however it dies, and a pid could be reused (a container's supervisor is
+    often pid 1 after every restart). A directory without the lock file (still being made, or not
+    a run directory) is left alone."""
+    for directory in temp.glob(RUN_PREFIX + "*"):
+        try:
+            if directory.is_symlink() or directory.stat().st_uid != os.getuid():
+                continue
+            lock = os.open(directory / RUN_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a server running
+            os.close(lock)
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        os.close(lock)
+        log.info("removed %s, left by a server that was killed", directory)
 
 
 def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:

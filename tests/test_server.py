@@ -9,6 +9,7 @@ failures, and a lifecycle server for warm-up health and the SIGTERM drain.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import json
 import os
@@ -1207,6 +1208,33 @@ def test_a_second_stop_signal_after_the_fronts_stopped_cuts_nothing_and_exits_0(
     said = [line for line in server.lines if "second stop signal" in line]
     assert len(said) == 1 and "after the fronts had stopped: the engine stopped at once" in said[0], said
     assert not [line for line in server.lines if "are cut" in line or "did not stop in time" in line]
+
+
+def test_a_killed_servers_directory_is_removed_by_the_next_server_and_no_other(tmp_path):
+    """An operator's pass: a SIGKILLed supervisor (or one the OOM killer took) left its run directory
+    in /tmp, 120 kB to 15 MB each, and under Kubernetes /tmp is a size-limited emptyDir that outlives
+    the container's restarts. The next server removes it; a live server's, and a directory that is
+    not a run directory, stay."""
+    env = {"TMPDIR": str(tmp_path)}
+    with serving(env=env) as first:
+        (left,) = tmp_path.glob("embed-*")
+        first.proc.kill()
+        first.proc.wait(10)
+    assert (left / "metrics").is_dir(), "the killed server's directory is there to be removed"
+    live, other = tmp_path / "embed-live", tmp_path / "embed-other"
+    live.mkdir()
+    other.mkdir()
+    held = os.open(live / "supervisor.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with serving(env=env) as second:
+            assert not left.exists()
+            assert any(f"removed {left}, left by a server that was killed" in line for line in second.lines)
+            assert live.is_dir() and other.is_dir()
+            (own,) = set(tmp_path.glob("embed-*")) - {live, other}
+        assert not own.exists(), "a server that stops removes its own"
+    finally:
+        os.close(held)
 
 
 def test_the_server_leaves_no_onnx_runtime_telemetry_behind(tmp_path, monkeypatch):
