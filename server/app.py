@@ -550,9 +550,12 @@ def run_directory() -> Iterator[Path]:
     that outlives the container's restarts: past it the pod is evicted."""
     remove_stale_run_directories(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=RUN_PREFIX) as name:
-        lock = os.open(Path(name) / RUN_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        # Locked before it has its name: a server sweeping meanwhile never finds it free.
+        making = Path(name) / f"{RUN_LOCK}.new"
+        lock = os.open(making, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            making.rename(Path(name) / RUN_LOCK)
             yield Path(name)
         finally:
             os.close(lock)
