@@ -52,7 +52,7 @@ from minilm_embed.server.config import (
     unknown_variables,
 )
 from minilm_embed.server.metrics import SupervisorMetrics
-from minilm_embed.server.place import Place, reuseport_socket
+from minilm_embed.server.place import HEARTBEAT_S, Place, reuseport_socket
 from minilm_embed.server.security import load_token, server_credentials
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ def engine_process(
     config: ServerConfig,
     address: str,
     depth: Any,
+    beat: Any,
     events: Connection,
     stop_when: Connection,
     backend_factory: BackendFactory | None,
@@ -126,7 +127,7 @@ def engine_process(
     """The engine process's target: its modules (ONNX Runtime, the batcher) are imported there only."""
     from minilm_embed.server.engine import onnx_backend, run_engine
 
-    run_engine(config, address, depth, events, stop_when, backend_factory or onnx_backend)
+    run_engine(config, address, depth, beat, events, stop_when, backend_factory or onnx_backend)
 
 
 def front_process(config: ServerConfig, place: Place) -> None:
@@ -275,6 +276,9 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.engine_address = f"ipc://{self.run_dir}/engine.sock"
         self.depth = self.context.RawValue("q", 0)
+        # Heartbeats (place.heartbeat): 0.0 until the process serves; each child gets a fresh one.
+        self.engine_beat = self.context.RawValue("d", 0.0)
+        self.front_beats: dict[int, Any] = {}
 
     def pids(self) -> list[int]:
         children = [self.engine, *self.fronts.values()]
@@ -283,7 +287,15 @@ class Supervisor:
     def start_engine(self) -> None:
         receive, send = self.context.Pipe(duplex=False)
         stop_when, self._stop_engine = self.context.Pipe(duplex=False)
-        args = (self.config, self.engine_address, self.depth, send, stop_when, self.backend_factory)
+        args = (
+            self.config,
+            self.engine_address,
+            self.depth,
+            self.engine_beat,
+            send,
+            stop_when,
+            self.backend_factory,
+        )
         self.engine = self.context.Process(target=engine_process, args=args, name="engine")
         with logs.child_stderr("engine"):
             self.engine.start()
@@ -292,8 +304,16 @@ class Supervisor:
     def start_front(self, index: int) -> None:
         assert self.engine is not None and self.engine.pid is not None
         receive, send = self.context.Pipe(duplex=False)
+        beat = self.front_beats[index] = self.context.RawValue("d", 0.0)
         place = Place(
-            index, self.address, self.http_address, self.engine_address, self.engine.pid, self.depth, send
+            index,
+            self.address,
+            self.http_address,
+            self.engine_address,
+            self.engine.pid,
+            self.depth,
+            send,
+            beat,
         )
         front = self.context.Process(target=front_process, args=(self.config, place), name=f"front-{index}")
         with logs.child_stderr(front.name):
@@ -336,7 +356,7 @@ class Supervisor:
         assert self.engine is not None and self.wakeup is not None
         while not self.caught:
             fronts = {p.sentinel: i for i, p in self.fronts.items()}
-            ready = wait([self.wakeup, self.engine.sentinel, *fronts, *self.events], self._until_restart())
+            ready = wait([self.wakeup, self.engine.sentinel, *fronts, *self.events], self._next_wake())
             for item in ready:
                 if item == self.wakeup:
                     os.read(self.wakeup, 512)
@@ -351,7 +371,46 @@ class Supervisor:
                     self._front_died(fronts[item])
             if not self.caught:
                 self._restart_due()
+                self._kill_frozen()
         return 0
+
+    def _next_wake(self) -> float | None:
+        """The longest `watch` may wait: until the next restart, and a heartbeat's period."""
+        until = self._until_restart()
+        if not self.config.liveness_timeout_s:
+            return until
+        return HEARTBEAT_S if until is None else min(until, HEARTBEAT_S)
+
+    def _kill_frozen(self) -> None:
+        """Kill a child whose event loop has not run for liveness_timeout_s (heartbeats start once it
+        serves): nothing inside a frozen process can act (the engine's own --batch-timeout-s watch is
+        a task on the loop that froze), and health kept answering SERVING from the other processes
+        while its calls timed out. A killed front is started again; the engine's death stops the server."""
+        limit = self.config.liveness_timeout_s
+        now = time.monotonic()
+        assert self.engine is not None
+        if limit and self.engine_beat.value and (silent := now - self.engine_beat.value) > limit:
+            log.critical(
+                "the engine's event loop has not run for %.0fs, over --liveness-timeout-s %g: taken as "
+                "frozen and killed",
+                silent,
+                limit,
+            )
+            self.engine_beat.value = 0.0
+            self.engine.kill()
+        for index, front in self.fronts.items():
+            beat = self.front_beats[index]
+            if limit and beat.value and (silent := now - beat.value) > limit:
+                log.error(
+                    "front %d (pid %s): its event loop has not run for %.0fs, over --liveness-timeout-s %g: "
+                    "taken as frozen and killed",
+                    index,
+                    front.pid,
+                    silent,
+                    limit,
+                )
+                beat.value = 0.0
+                front.kill()
 
     def _read(self, conn: Connection) -> None:
         try:

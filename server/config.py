@@ -146,6 +146,9 @@ class ServerConfig:
     # A model run longer than this is taken as hung (a stuck kernel or driver): the engine exits, so
     # the server exits 1 and is restarted, instead of staying ready while every call times out.
     batch_timeout_s: float = 120.0
+    # An event loop (the engine's or a front's) that has not run this long is taken as frozen (a
+    # deadlock holding the GIL, a stopped process): the supervisor kills it, as nothing inside it can.
+    liveness_timeout_s: float = 30.0
     max_connection_age_s: float = 300.0
     # The server pings each gRPC connection after this long without a frame from its client, and
     # closes it when no answer comes within as long (at most 20 s): a client gone without a FIN (its node
@@ -206,7 +209,8 @@ class ServerConfig:
                 raise ValueError(f"{setting(name)} must be more than 0, not {getattr(self, name)}")
         if self.keepalive_s < 1:  # a ping every few milliseconds on every connection is no setting
             raise ValueError(f"{setting('keepalive_s')} must be at least 1, not {self.keepalive_s}")
-        for name in ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
+        non_negative = ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s")
+        for name in (*non_negative, "liveness_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{setting(name)} must be 0 or more, not {getattr(self, name)}")
         auto = ("max_batch_tokens", "max_batch_size", "front_processes", "model_instances", "threads")
@@ -348,6 +352,8 @@ _HELP = {
     "at once)",
     "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
     "exits 1 (0: never)",
+    "liveness_timeout_s": "the engine's or a front's event loop that has not run for this long is taken as "
+    "frozen: a front is killed and started again, the engine killed and the server exits 1 (0: never)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "keepalive_s": (
         "a gRPC connection silent this long is pinged, and closed when its client does not answer "

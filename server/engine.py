@@ -32,6 +32,7 @@ from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Row
 from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.errors import ServiceError, internal
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.place import heartbeat
 from minilm_embed.server.proctitle import name_process
 
 log = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ def run_engine(
     config: ServerConfig,
     address: str,
     depth: Any,
+    beat: Any,
     events: Connection,
     stop_when: Connection,
     backend_factory: BackendFactory,
@@ -336,7 +338,18 @@ def run_engine(
     async def main() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_reader(stop_when.fileno(), stop.set)
-        await engine.serve(address, stop, lambda facts: events.send(("ready", facts)))
+        beating: list[asyncio.Task[None]] = []
+
+        def ready(facts: Any) -> None:
+            # From here on the supervisor holds the loop to its heartbeat (the warm-up may block it).
+            beating.append(asyncio.create_task(heartbeat(beat)))
+            events.send(("ready", facts))
+
+        try:
+            await engine.serve(address, stop, ready)
+        finally:
+            for task in beating:
+                task.cancel()
 
     asyncio.run(main())
     log.info("engine stopped")

@@ -48,7 +48,7 @@ from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
-from minilm_embed.server.place import Place, reuseport_socket
+from minilm_embed.server.place import Place, heartbeat, reuseport_socket
 from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
 from minilm_embed.server.security import BearerAuth, load_token, server_credentials
@@ -466,9 +466,11 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder.held_bytes))
     starting = asyncio.create_task(start(front))
     stopping = asyncio.create_task(stop.wait())
+    beating: list[asyncio.Task[None]] = []
     await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
     if starting.done() and not starting.cancelled() and starting.exception() is None:
         place.events.send(("serving", index, front.port))
+        beating.append(asyncio.create_task(heartbeat(place.beat)))  # until the process ends
         gc.collect()
         gc.freeze()  # what exists now lives as long as the process: the collector skips it from here on
         await stopping

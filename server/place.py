@@ -6,7 +6,9 @@ Light on purpose: the supervisor imports it, and never the fronts' or the engine
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,6 +27,19 @@ class Place:
     engine_pid: int
     depth: Any  # the engine's published queue depth (a shared value)
     events: Connection  # to the supervisor
+    beat: Any  # this front's heartbeat (a shared value: see heartbeat)
+
+
+# How often a serving process's event loop writes its heartbeat; the supervisor looks as often.
+HEARTBEAT_S = 1.0
+
+
+async def heartbeat(beat: Any) -> None:
+    """Write time.monotonic() (one clock for every process on the host) into the shared `beat` every
+    HEARTBEAT_S, from the event loop: the supervisor takes one that stops changing as frozen."""
+    while True:
+        beat.value = time.monotonic()
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 def reuseport_socket(address: str) -> socket.socket:

@@ -171,3 +171,23 @@ def test_what_a_killed_front_left_queued_is_dropped_once_its_successor_says_hell
             assert fresh.embed([SENTENCE]).shape == (1, 384)
         # Counted once the batcher sweeps them out, by the next batch at the latest.
         assert sample(server, "embed_inputs_dropped_total", reason="cancelled") > 200
+
+
+def test_a_frozen_front_is_killed_and_started_again(model_dir: Path) -> None:
+    """An operator's pass stopped a front (SIGSTOP): nothing noticed, and with two fronts half the
+    health checks and calls timed out. Its event loop's heartbeat stops; past --liveness-timeout-s the
+    supervisor kills it and it is started again, and the server serves on."""
+    with serving("--front-processes", "1", "--liveness-timeout-s", "2") as server:
+        assert wait_for(lambda: len(server.front_pids()) == 1, timeout=60), server.front_pids()
+        (frozen,) = server.front_pids()
+        os.kill(frozen, signal.SIGSTOP)
+        wait_for_a_new_front(server, frozen)
+        assert served_again(server, 1), "".join(server.lines[-10:])
+        said = [line for line in server.lines if "taken as frozen" in line]
+        assert len(said) == 1 and f"front 0 (pid {frozen}): its event loop has not run for" in said[0], said
+        assert "over --liveness-timeout-s 2" in said[0]
+        assert restarts(server) == 1
+        with EmbeddingClient(server.address, timeout=60) as client:
+            vector = client.embed([SENTENCE])
+        assert np.dot(vector[0], Reference(model_dir).embed([SENTENCE])[0]) >= 0.99999
+        assert server.proc.poll() is None

@@ -169,6 +169,28 @@ def test_a_hung_model_run_ends_the_engine_so_the_server_is_restarted_not_left_re
         process.stop()
 
 
+def test_a_frozen_engine_is_killed_so_the_server_is_restarted_not_left_ready():
+    """An operator's pass stopped the engine (SIGSTOP): health stayed SERVING and every call timed
+    out, for --batch-timeout-s is watched by a task on the loop that froze. Its heartbeat stops; past
+    --liveness-timeout-s the supervisor kills it, callers get UNAVAILABLE and the server exits 1."""
+    process = start_server("--front-processes", "1", "--liveness-timeout-s", "2").wait_serving()
+    try:
+        assert process.engine_pid is not None
+        os.kill(process.engine_pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with grpc.insecure_channel(process.address) as channel, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.EmbeddingServiceStub(channel).Embed(embed_request(["hello"]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        assert time.monotonic() - started < 10  # at the liveness timeout, not the call's deadline
+        assert process.wait(30) == 1
+        said = [line for line in process.lines if "taken as frozen" in line]
+        assert len(said) == 1, said
+        assert "the engine's event loop has not run for" in said[0] and "--liveness-timeout-s 2" in said[0]
+        assert any("the engine process exited with code -9" in line for line in process.lines)
+    finally:
+        process.stop()
+
+
 def test_the_engine_dying_is_answered_at_once_and_ends_the_server_non_zero(model_dir):
     process = start_server("--front-processes", "1", "--max-batch-size", "1").wait_serving()
     try:
