@@ -28,10 +28,39 @@ from minilm_embed.client.client import (
     EmbeddingClient,
     Security,
     embed_request,
+    lone_surrogate,
     to_array,
 )
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.server import __version__  # the package's; server/__init__.py imports nothing
+
+# embed-file's --help: bulk.py's docstring is the library's, in Python's names.
+FILE_JOB_HELP = """\
+Embed a file of texts into a file of vectors: output row i is input line i.
+
+Input: path (- for standard input), UTF-8, one text per line, split at "\\n"
+only ("\\r\\n" accepted); with --jsonl, one {"id": ..., "text": "..."} object per
+line. An empty line is refused by its number (skipped, it would move every later
+row off its line); a line of spaces is a text. A .csv or .tsv is refused.
+
+Output, by the suffix of --out:
+  .npy    float32 [rows, dimensions]; with --jsonl the ids go beside it, one per
+          line, in <stem>.ids.jsonl
+  .jsonl  one {"id": ..., "embedding": [...]} per line; for text input the id is
+          the line number, from 1
+
+Rows go to OUT.partial while the job runs; OUT appears, renamed, only once every
+row is written. A job that fails or is stopped keeps its whole rows there and
+says so: run it again with --resume to go on (--resume also adds the rows of a
+grown input to a finished OUT). A resume checks that the input, the model and
+--no-normalize are those the output was made with, and is otherwise refused,
+the output left as it was. A job that fails before its first row leaves no file.
+
+Requests refused as busy (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED)
+are retried with backoff for --retry-for seconds. Requests are kept within the
+server's limits; a line over its max_text_chars ends the job, naming the line,
+after every row before it is written.
+"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("EMBED_ADDRESS", DEFAULT_ADDRESS),
         help=f"server address [env EMBED_ADDRESS, default {DEFAULT_ADDRESS}]",
     )
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call [default %(default)g]")
     p.add_argument(
         "--ca-cert",
         type=Path,
@@ -55,46 +84,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token-file", type=Path, help="file with the bearer token [or env EMBED_TOKEN]")
     sub = p.add_subparsers(dest="command", required=True)
     embed = sub.add_parser("embed", help="embed texts given as arguments; JSON out")
-    embed.add_argument("texts", nargs="+")
+    embed.add_argument(
+        "texts", nargs="+", help="the texts; messages about them count from 0: input 0 is the first"
+    )
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--no-truncate", action="store_true")
     ef = sub.add_parser(
         "embed-file",
         help="embed a file, one text per line (or JSONL), into .npy or .jsonl rows in input order",
-        description=bulk.__doc__,
+        description=FILE_JOB_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ef.add_argument("path", help="input file, or - for standard input")
     ef.add_argument("--out", type=Path, required=True, help="output: .npy or .jsonl")
     ef.add_argument("--jsonl", action="store_true", help='input lines are {"id": ..., "text": "..."}')
-    ef.add_argument("--resume", action="store_true", help="continue the rows already in --out")
+    ef.add_argument(
+        "--resume", action="store_true", help="go on from the rows already in OUT.partial, or in OUT"
+    )
     ef.add_argument(
         "--batch-size",
         type=int,
         default=32,
-        help="texts per request (at most the server's max_inputs_per_request and queue_limit)",
+        help="texts per request, at most the server's max_inputs_per_request and queue_limit "
+        "[default %(default)s]",
     )
     ef.add_argument(
         "--max-request-bytes",
         type=int,
         default=1 << 20,
-        help="UTF-8 bytes of text per request (at most half the server's max_message_bytes)",
+        help="UTF-8 bytes of text per request, at most half the server's max_message_bytes "
+        "[default %(default)s]",
     )
-    ef.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    ef.add_argument("--concurrency", type=int, default=16, help="requests in flight [default %(default)s]")
     ef.add_argument(
         "--priority",
         choices=("bulk", "interactive"),
         default="bulk",
-        help="bulk: batched after interactive requests, within the server's --bulk-queue-share",
+        help="bulk: batched after interactive requests, within the server's --bulk-queue-share "
+        "[default %(default)s]",
     )
     ef.add_argument(
         "--retry-for",
         type=float,
         default=600.0,
-        help="seconds a request is retried for, on RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED",
+        help="seconds a request is retried for, on RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED "
+        "[default %(default)g]",
     )
-    ef.add_argument("--retries", type=int, default=None, help="at most this many retries per request")
-    ef.add_argument("--no-normalize", action="store_true")
+    ef.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help="at most this many retries per request [default: as many as --retry-for allows]",
+    )
+    ef.add_argument(
+        "--no-normalize",
+        action="store_true",
+        help="write the mean-pooled vectors, not normalised ones (length 1)",
+    )
     sub.add_parser("info", help="the model and limits of the server; JSON out")
     return p.parse_args(argv)
 
@@ -175,7 +221,7 @@ def security(args: argparse.Namespace) -> Security:
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    for i, text in enumerate(args.texts, start=1):
+    for i, text in enumerate(args.texts):
         check_argument(text, i)
     with EmbeddingClient(args.address, args.timeout, security(args)) as c:
         request = embed_request(args.texts, normalize=not args.no_normalize, truncate=not args.no_truncate)
@@ -190,19 +236,20 @@ def cmd_embed(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_argument(text: str, position: int) -> None:
+def check_argument(text: str, index: int) -> None:
     """A shell argument that is not UTF-8 arrives with its bytes as lone surrogates (PEP 383), which
-    no request can carry: say which argument, and where."""
-    if not bulk.lone_surrogate(text):
+    no request can carry: say which text, and where. Texts are "input i" from 0, as the server's
+    refusals of the same texts name them."""
+    if not lone_surrogate(text):
         return
     raw = os.fsencode(text)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bulk.InputFileError(
-            f"text {position} is not UTF-8 ({e.reason}: byte 0x{raw[e.start]:02x} at offset {e.start})"
+            f"input {index} is not UTF-8 ({e.reason}: byte 0x{raw[e.start]:02x} at offset {e.start})"
         ) from None
-    raise bulk.InputFileError(f"text {position} {bulk.lone_surrogate(text)}")
+    raise bulk.InputFileError(f"input {index} {lone_surrogate(text)}")
 
 
 def bulk_job(args: argparse.Namespace) -> bulk.Job:

@@ -15,13 +15,16 @@ Two output formats, chosen by the suffix of the output path:
 - `.npy`: float32 [rows, dimensions], rows appended as they come. Until the job ends, the file's magic
   is PARTIAL_MAGIC (numpy refuses to load it); the header with the row count and numpy's magic are
   written last. For JSONL input the ids go beside it, one JSON value per line, in `<stem>.ids.jsonl`
-  (that name from the start: only as many ids are read as the vectors have rows).
+  (that name from the start: only as many ids are read as the vectors have rows). Each row's id is
+  handed to the OS before its vector, so a killed job leaves no row without its id; a resume refuses
+  a .npy with fewer ids than rows (an ids file that is not its own) rather than drop rows.
 - `.jsonl`: one `{"id": ..., "embedding": [...]}` object per line, each float with the 9 significant
   digits that give back the same float32.
 
 Rows go to `<out>.partial` (PARTIAL_SUFFIX) while the job runs; it is renamed to `<out>` (os.replace,
 atomic) once the last row is written and a .npy sealed, so a file under the output's own name is always
-a finished one. A job that fails or is killed leaves `<out>.partial`, and its message says so.
+a finished one. A job that fails or is killed leaves `<out>.partial`, and its message says so; a new
+job that fails before its first row is written leaves no file. No file a job writes may be its input.
 
 CSV is not read as columns: a header or a quoted newline would become rows of their own, so a `.csv`
 or `.tsv` input is refused (give JSONL instead, or one text per line).
@@ -78,6 +81,8 @@ from typing import IO, Any, Generic, Protocol, TypeVar
 
 import grpc
 import numpy as np
+
+from minilm_embed.client.client import lone_surrogate
 
 # Refusals that may pass later. A request past its deadline is one: the server drops inputs whose
 # deadline passed before computing them, so sending it again does the work once.
@@ -176,19 +181,6 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value")
 
 
-def lone_surrogate(text: str) -> str:
-    """Where `text` holds a lone UTF-16 surrogate (JSON's "\\udc80" escape parses to one), which UTF-8
-    cannot encode and so no request can carry; "" when it holds none."""
-    if text.isascii():
-        return ""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        where = f"U+{ord(text[e.start]):04X} at character {e.start}"
-        return f"holds a lone surrogate, {where}, which is not Unicode text"
-    return ""
-
-
 def within(
     records: Iterable[Record], max_chars: int, name: str, max_message_bytes: int = 0
 ) -> Iterator[Record]:
@@ -245,7 +237,7 @@ def chunks(
 class Sink(Protocol):
     """Where rows go. `inspect` reads what an existing output holds and changes nothing; `open` starts
     writing (`resume`: after what `inspect` found, else into an empty output); `close(complete=True)`
-    seals it."""
+    seals it; `remove`, once closed, deletes what `open` wrote."""
 
     path: Path
 
@@ -253,6 +245,7 @@ class Sink(Protocol):
     def open(self, resume: bool) -> None: ...
     def write(self, records: list[Record], vectors: np.ndarray) -> None: ...
     def close(self, complete: bool) -> None: ...
+    def remove(self) -> None: ...
 
 
 def npy_header(rows: int, dims: int, magic: bytes = NPY_MAGIC) -> bytes:
@@ -324,6 +317,27 @@ class NpySink:
         return len(npy_header(0, self.dims))
 
     def inspect(self) -> Written:
+        self.rows = self._whole_rows()
+        if self.ids_path is None:
+            if self.rows and (beside := ids_beside(self.path)).exists():
+                if (count := whole_lines(beside, keep=self.rows).count) < self.rows:
+                    raise OutputFileError(self._fewer_ids(beside, count))
+                raise OutputFileError(
+                    f"{self.path}: made from JSONL input (its ids are in {beside}): resume it with --jsonl"
+                )
+            return Written(self.rows, last_row=self.row(self.rows - 1))
+        if self.rows and not self.ids_path.exists():
+            raise OutputFileError(
+                f"{self.path}: made from text input (no {self.ids_path} beside it): resume it without --jsonl"
+            )
+        ids = whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else Lines()
+        if ids.count < self.rows:
+            raise OutputFileError(self._fewer_ids(self.ids_path, ids.count))
+        self._ids_size = ids.size
+        return Written(self.rows, (json.loads(ids.last),) if self.rows else (), self.row(self.rows - 1))
+
+    def _whole_rows(self) -> int:
+        """The rows in the file, its header checked: a row cut short by a kill is not counted."""
         with self.path.open("rb") as f:
             head = f.read(self.header_size)
         for magic in (NPY_MAGIC, PARTIAL_MAGIC):
@@ -334,21 +348,17 @@ class NpySink:
         columns = int(head.split(b"'shape': (")[1].split(b")")[0].split(b",")[1])
         if columns != self.dims:
             raise OutputFileError(f"{self.path}: rows of {columns} floats, but the server gives {self.dims}")
-        self.rows = (self.path.stat().st_size - self.header_size) // (4 * self.dims)
-        if self.ids_path is None:
-            if self.rows and ids_beside(self.path).exists():
-                raise OutputFileError(
-                    f"{self.path}: made from JSONL input (its ids are in {ids_beside(self.path)}): "
-                    "resume it with --jsonl"
-                )
-            return Written(self.rows, last_row=self.row(self.rows - 1))
-        if self.rows and not self.ids_path.exists():
-            raise OutputFileError(
-                f"{self.path}: made from text input (no {self.ids_path} beside it): resume it without --jsonl"
-            )
-        ids = whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else Lines()
-        self.rows, self._ids_size = ids.count, ids.size
-        return Written(self.rows, (json.loads(ids.last),) if self.rows else (), self.row(self.rows - 1))
+        return (self.path.stat().st_size - self.header_size) // (4 * self.dims)
+
+    def _fewer_ids(self, ids_file: Path, ids: int) -> str:
+        """Each row's id reaches the disk before its vector (`write`) and a sealed file has them all, so
+        fewer ids than rows are not this output's ids, or not all of them: going on from the last id
+        would throw away the rows past it, and without ids the file could not be told from one made
+        from text input."""
+        return (
+            f"{self.path} has {self.rows} rows but {ids_file} holds {ids} ids: cannot resume it as it is "
+            f"(if it was made from text input, remove {ids_file} and resume without --jsonl)"
+        )
 
     def row(self, index: int) -> tuple[float, ...]:
         """Row `index` of the file as it is, () for none (index -1)."""
@@ -373,9 +383,12 @@ class NpySink:
 
     def write(self, records: list[Record], vectors: np.ndarray) -> None:
         assert self._vectors is not None and vectors.shape == (len(records), self.dims)
-        self._vectors.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
         if self._ids is not None:
+            # Handed to the OS before the vectors: a killed job never leaves a row without its id
+            # (a resume refuses that), only ids past the rows, which it drops.
             self._ids.write("".join(json.dumps(r.id) + "\n" for r in records).encode())
+            self._ids.flush()
+        self._vectors.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
         self.rows += len(records)
 
     def close(self, complete: bool) -> None:
@@ -389,6 +402,11 @@ class NpySink:
             self._vectors.write(npy_header(self.rows, self.dims))
             synced(self._vectors)
         self._vectors.close()
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+        if self.ids_path is not None:
+            self.ids_path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -412,7 +430,7 @@ class JsonlSink:
         if not isinstance(row, list) or not all(isinstance(x, float | int) for x in row):
             raise OutputFileError(
                 f'{self.path}: its row {self.rows} is not a row of embed-file\'s ({{"id": ..., '
-                '"embedding": [...]}}): not an output of this client; cannot resume it'
+                '"embedding": [...]}): not an output of this client; cannot resume it'
             )
         if len(row) != self.dims:
             raise OutputFileError(f"{self.path}: rows of {len(row)} floats, but the server gives {self.dims}")
@@ -439,6 +457,9 @@ class JsonlSink:
         if complete:
             synced(self._out)
         self._out.close()
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def synced(file: IO[Any]) -> None:
@@ -483,6 +504,26 @@ def sink_for(out: Path, dims: int, jsonl_input: bool, at: Path | None = None) ->
     if out.suffix == ".jsonl":
         return JsonlSink(at, dims)
     raise OutputFileError(f"{out}: the output must end in .npy or .jsonl")
+
+
+def refuse_input_as_output(job: Job) -> None:
+    """No file the job writes may be its input: it would be written over while it is read, or a
+    resume would read the input as rows. Compared as files, so a link or another spelling is caught."""
+    if job.source is None:
+        return
+    writes = {job.out: "the output", partial_path(job.out): "the output until every row is written"}
+    if job.jsonl and job.out.suffix == ".npy":
+        writes[ids_beside(job.out)] = "the ids of a .npy made from JSONL input"
+    for path, role in writes.items():
+        if same_file(path, job.source):
+            raise OutputFileError(f"{path} ({role}) is the input file {job.source}: give another --out")
+
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is not there (yet): their paths, links resolved, tell
+        return a.resolve() == b.resolve()
 
 
 def existing_output(out: Path, resume: bool) -> Path | None:
@@ -767,7 +808,9 @@ async def run_job(
     on_retry: Callable[[grpc.RpcError], None] = lambda error: None,
 ) -> Stats:
     """Embed job.source into job.out, by way of `<out>.partial`. On an error that file holds whole rows
-    only and resumes; the error carries a note that says so."""
+    only and resumes; the error carries a note that says so. A new job that fails before its first row
+    leaves no file."""
+    refuse_input_as_output(job)
     existing = existing_output(job.out, job.resume)
     partial = partial_path(job.out)
     sink = sink_for(job.out, served.dims, job.jsonl, at=existing or partial)
@@ -795,35 +838,45 @@ async def run_job(
             records = itertools.chain([following], records)
             os.replace(job.out, partial)
             sink.path = partial
+
+        def write(done: list[Record], vectors: np.ndarray) -> None:
+            sink.write(done, vectors)
+            stats.rows += len(done)
+            progress(len(done))
+
+        async def embed(chunk: list[Record]) -> np.ndarray:
+            try:
+                return await embed_texts([r.text for r in chunk])
+            except grpc.RpcError as e:
+                line = refused_line(e, chunk, name)
+                if line is None:
+                    raise
+                raise line from e
+
         sink.open(resume=written.rows > 0)
-        complete = False
-        try:
-
-            def write(done: list[Record], vectors: np.ndarray) -> None:
-                sink.write(done, vectors)
-                stats.rows += len(done)
-                progress(len(done))
-
-            async def embed(chunk: list[Record]) -> np.ndarray:
-                try:
-                    return await embed_texts([r.text for r in chunk])
-                except grpc.RpcError as e:
-                    line = refused_line(e, chunk, name)
-                    if line is None:
-                        raise
-                    raise line from e
-
+        with closing_sink(sink, stats, job.out, new=existing is None):
             await run_pipeline(
                 records, embed, write, served.batch_size(job), job.concurrency, served.request_bytes(job)
             )
-            complete = True
-        except BaseException as e:
-            e.add_note(
-                f"{partial} holds the {stats.rows} whole rows before this; run again with --resume to go "
-                f"on from there ({job.out} is written when every row is)"
-            )
-            raise
-        finally:
-            sink.close(complete)
     rename_durably(partial, job.out)  # sealed, synced and closed: only now does the output have its name
     return stats
+
+
+@contextmanager
+def closing_sink(sink: Sink, stats: Stats, out: Path, new: bool) -> Iterator[None]:
+    """Seals the sink when the rows are all written. Else its whole rows stay for a resume, and the
+    error's note says where; but a new output with no row is removed: a --resume of nothing would only
+    be one more thing to know, and without --resume the next run would be refused."""
+    try:
+        yield
+    except BaseException as e:
+        sink.close(complete=False)
+        if new and not stats.rows:
+            sink.remove()
+        else:
+            e.add_note(
+                f"{sink.path} holds the {stats.rows} whole rows before this; run again with --resume to "
+                f"go on from there ({out} is written when every row is)"
+            )
+        raise
+    sink.close(complete=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,8 @@ class Security:
 
 def text_list(texts: str | Iterable[str] | None) -> list[str]:
     """The texts as a list: a lone str is one text (not one per character); any iterable of str
-    (a list, a numpy array, a pandas Series) is accepted; anything else is a TypeError naming it."""
+    (a list, a numpy array, a pandas Series) is accepted; anything else is a TypeError naming it.
+    (A str UTF-8 cannot encode is named as the message is built: `naming_unencodable_text`.)"""
     if texts is None:
         return []
     if isinstance(texts, bytes | bytearray):  # iterating it would give ints
@@ -110,6 +112,31 @@ def text_list(texts: str | Iterable[str] | None) -> list[str]:
         if not isinstance(text, str):
             raise TypeError(f"texts[{i}] is {type(text).__name__}, not str")
     return items
+
+
+def lone_surrogate(text: str) -> str:
+    """Where `text` holds a lone UTF-16 surrogate (JSON's "\\udc80" escape parses to one, and a shell
+    argument's bytes that are not UTF-8 arrive as them, PEP 383), which UTF-8 cannot encode and so no
+    request can carry; "" when it holds none."""
+    if text.isascii():
+        return ""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"U+{ord(text[e.start]):04X} at character {e.start}"
+        return f"holds a lone surrogate, {where}, which is not Unicode text"
+    return ""
+
+
+@contextmanager
+def naming_unencodable_text(texts: list[str]) -> Iterator[None]:
+    """protobuf's bare UnicodeEncodeError, while building a message of `texts`, as a ValueError naming
+    texts[i]. Looked for only once protobuf has refused one: the normal path encodes each text once."""
+    try:
+        yield
+    except UnicodeEncodeError:
+        i, at = next((i, at) for i, text in enumerate(texts) if (at := lone_surrogate(text)))
+        raise ValueError(f"texts[{i}] {at}") from None
 
 
 def embed_request(
@@ -122,14 +149,22 @@ def embed_request(
     """An Embed request for texts or token-id sequences (one of the two), asking for float32 bytes.
     `priority`: "interactive" (a caller waits on it) or "bulk" (batched after interactive requests,
     within the server's --bulk-queue-share of its queue)."""
-    return pb.EmbedRequest(
-        texts=text_list(texts),
-        token_ids=[pb.TokenIds(ids=list(ids)) for ids in (() if token_ids is None else token_ids)],
-        normalize=normalize,
-        truncate=truncate,
-        format=pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
-        priority=_priority(priority),
-    )
+    items = text_list(texts)
+    with naming_unencodable_text(items):
+        return pb.EmbedRequest(
+            texts=items,
+            token_ids=[pb.TokenIds(ids=list(ids)) for ids in (() if token_ids is None else token_ids)],
+            normalize=normalize,
+            truncate=truncate,
+            format=pb.EMBEDDING_FORMAT_FLOAT32_BYTES,
+            priority=_priority(priority),
+        )
+
+
+def tokenize_request(texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeRequest:
+    items = text_list(texts)
+    with naming_unencodable_text(items):
+        return pb.TokenizeRequest(texts=items, truncate=truncate)
 
 
 PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "bulk": pb.PRIORITY_BULK}
@@ -180,7 +215,8 @@ class EmbeddingClient:
     """Blocking client. `with EmbeddingClient() as c: vectors = c.embed(["some text"])`.
 
     `timeout` is seconds per call (None: no deadline). Every method raises a client.errors.EmbeddingError
-    subclass when the call fails, and ValueError once the client is closed.
+    subclass when the call fails, and ValueError once the client is closed, or for a text UTF-8 cannot
+    encode (a lone surrogate), naming it.
     """
 
     def __init__(
@@ -244,7 +280,7 @@ class EmbeddingClient:
 
     def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
-        return self._call(self.stub.Tokenize, pb.TokenizeRequest(texts=text_list(texts), truncate=truncate))
+        return self._call(self.stub.Tokenize, tokenize_request(texts, truncate))
 
     def info(self) -> pb.InfoResponse:
         """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""
@@ -335,8 +371,7 @@ class AsyncEmbeddingClient:
 
     async def tokenize(self, texts: str | Iterable[str], truncate: bool = True) -> pb.TokenizeResponse:
         """The ids the server would embed for each text, with each one's usage."""
-        request = pb.TokenizeRequest(texts=text_list(texts), truncate=truncate)
-        return await self._call("Tokenize", request)
+        return await self._call("Tokenize", tokenize_request(texts, truncate))
 
     async def info(self) -> pb.InfoResponse:
         """The served model (id, hashes, dimensions, precision, provider) and the server's limits."""

@@ -315,8 +315,12 @@ def test_resuming_against_another_input_is_refused(server, tmp_path):
 def test_a_jsonl_output_that_is_not_one_is_refused_by_name(tmp_path):
     out = tmp_path / "v.jsonl"
     out.write_text('{"id": 1, "text": "the input given as --out by mistake"}\n', encoding="utf-8")
-    with pytest.raises(bulk.OutputFileError, match="its row 1 is not a row of embed-file's"):
+    with pytest.raises(bulk.OutputFileError) as refused:
         bulk.JsonlSink(out, 4).inspect()
+    # The row's shape as it is written, braces balanced (the message had a stray "}").
+    assert 'its row 1 is not a row of embed-file\'s ({"id": ..., "embedding": [...]}): not an' in str(
+        refused.value
+    )
     out.write_text("{not json\n", encoding="utf-8")
     with pytest.raises(bulk.OutputFileError, match="not an output of this client"):
         bulk.JsonlSink(out, 4).inspect()
@@ -381,9 +385,9 @@ def test_a_cut_short_jsonl_row_is_dropped_on_resume(tmp_path):
     assert [r["id"] for r in rows] == ["d0", "d1", "d2", "d3"] and rows[3]["embedding"] == [0.25] * 4
 
 
-def test_a_npy_from_jsonl_resumes_from_the_shorter_of_its_vectors_and_its_ids(tmp_path):
-    """Killed between a batch's vectors and its ids (or mid-way through either): the rows that have
-    both are kept, the rest written again, so row i and id i stay together."""
+def test_a_npy_from_jsonl_resumes_at_its_vectors_dropping_the_ids_past_them(tmp_path):
+    """Killed after a batch's ids reached the disk, before its vectors (or mid-way through either): the
+    rows are kept with their ids, the ids past them written again, so row i and id i stay together."""
     out = tmp_path / "v.npy"
     sink = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
     sink.open(resume=False)
@@ -401,10 +405,38 @@ def test_a_npy_from_jsonl_resumes_from_the_shorter_of_its_vectors_and_its_ids(tm
     assert bulk.ids_beside(out).read_text().split() == ['"d0"', '"d1"', '"d2"', '"d3"']
     assert np.load(out)[3].tolist() == [7] * 4
 
-    with out.open("ab") as f:  # now more vectors than ids: the rows are cut back to the ids
-        f.write(np.full((2, 4), 9, dtype="<f4").tobytes())
-    again = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
-    assert again.inspect().rows == 4
+
+def test_each_rows_id_reaches_the_disk_before_its_vector(tmp_path):
+    """What a kill leaves is what the OS was handed: the ids were held in the job's buffer while the
+    vectors went out, so a killed job left rows without ids, and a resume cut the rows back to them."""
+    out = tmp_path / "v.npy"
+    sink = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
+    sink.open(resume=False)
+    sink.write([bulk.Record(f"d{i}", "t", i) for i in range(3)], np.ones((3, 4), dtype=np.float32))
+    try:  # read while the job still has the files open, as a kill now would leave them
+        assert bulk.ids_beside(out).read_text().split() == ['"d0"', '"d1"', '"d2"']
+        assert bulk.NpySink(out, 4, bulk.ids_beside(out)).inspect().rows <= 3
+    finally:
+        sink.close(complete=False)
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+@pytest.mark.parametrize("ids", [b"", b'"d0"\n"d1"\n'])
+def test_a_npy_with_fewer_ids_than_rows_is_refused_not_cut_back(tmp_path, sealed, ids):
+    """The rows past the last id were thrown away, and the job went on from there: an empty ids file
+    beside a finished .npy made from text input lost every row."""
+    out = tmp_path / "v.npy"
+    sink = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
+    sink.open(resume=False)
+    sink.write([bulk.Record(f"d{i}", "t", i) for i in range(3)], np.ones((3, 4), dtype=np.float32))
+    sink.close(complete=sealed)
+    bulk.ids_beside(out).write_bytes(ids)
+    before = out.read_bytes()
+    count = ids.count(b"\n")
+    for ids_path in (bulk.ids_beside(out), None):  # resumed with JSONL input, and with text
+        with pytest.raises(bulk.OutputFileError, match=f"has 3 rows but .*v.ids.jsonl holds {count} ids"):
+            bulk.NpySink(out, 4, ids_path).inspect()
+    assert out.read_bytes() == before and bulk.ids_beside(out).read_bytes() == ids
 
 
 def test_refusals_that_may_pass_later_are_retried_and_others_are_not():
@@ -610,6 +642,88 @@ def test_a_refused_resume_leaves_a_finished_output_as_it_was(server, tmp_path, j
     assert message in done.stderr, done.stderr
     assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
     assert np.load(out).shape == (6, 384)  # still sealed: it loads
+
+
+@pytest.mark.parametrize("made_from_jsonl", [False, True])
+def test_a_finished_npy_whose_ids_file_holds_fewer_ids_than_rows_is_not_resumed_over(
+    server, tmp_path, made_from_jsonl
+):
+    """An empty ids file beside a .npy made from text input (or an ids file cut short) was read as a
+    .npy of that many rows: a --jsonl resume wrote "wrote 4 rows", the finished rows thrown away."""
+    path, out, _ = sealed_job(server, tmp_path, made_from_jsonl)
+    ids = bulk.ids_beside(out)
+    ids.write_bytes(b"".join(ids.read_bytes().splitlines(keepends=True)[:2]) if made_from_jsonl else b"")
+    before = {f: f.read_bytes() for f in tmp_path.glob("v.*")}
+    # The first two records as they were, then others: past the ids, nothing tells them apart.
+    items = [{"id": f"doc-{i}", "text": t} for i, t in enumerate(corpus(2) + corpus(9)[5:])]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    done = embed_file(server, str(path), "--jsonl", "--out", str(out), "--resume")
+    assert done.returncode == 2, done.stderr
+    held = 2 if made_from_jsonl else 0
+    assert f"v.npy has 6 rows but {ids} holds {held} ids: cannot resume it" in done.stderr, done.stderr
+    assert {f: f.read_bytes() for f in tmp_path.glob("v.*")} == before
+    assert np.load(out).shape == (6, 384)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "flags", "content", "message"),
+    [
+        (".npy", ["--jsonl"], "a plain text line\nanother\n", "in.txt:1: not JSON"),
+        (".jsonl", [], "\nthe first line was empty\n", "in.txt:1: empty line"),
+    ],
+)
+def test_a_job_that_fails_before_its_first_row_leaves_no_file(
+    server, tmp_path, suffix, flags, content, message
+):
+    """It left a 0-row <out>.partial (and an empty ids file) and advised --resume; the corrected run
+    without --resume was then refused."""
+    path, out = tmp_path / "in.txt", tmp_path / f"v{suffix}"
+    path.write_text(content, encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out), *flags)
+    assert done.returncode == 2
+    assert message in done.stderr, done.stderr
+    assert "--resume" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+    path.write_text("".join(t + "\n" for t in corpus(3)), encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_partial_output_that_wrote_no_row_this_time_is_kept(server, tmp_path):
+    """Only what a new job made is removed: rows of an earlier run stay for the next --resume."""
+    lines = corpus(3)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("".join(t + "\n" for t in lines[:2]) + "\n" + lines[2] + "\n", encoding="utf-8")
+    assert embed_file(server, str(path), "--out", str(out)).returncode == 2
+    done = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 2
+    assert "holds the 2 whole rows before this; run again with --resume" in done.stderr, done.stderr
+    assert rows_on_disk(bulk.partial_path(out)) == 2
+
+
+@pytest.mark.parametrize(
+    ("source", "out", "flags"),
+    [
+        ("same.jsonl", "same.jsonl", ["--jsonl"]),
+        ("same.jsonl", "same.jsonl", ["--jsonl", "--resume"]),
+        ("same.jsonl", "sub/../same.jsonl", ["--jsonl"]),  # another spelling of the same file
+        ("link.jsonl", "same.jsonl", ["--jsonl", "--resume"]),  # a link to it
+        ("v.jsonl.partial", "v.jsonl", ["--jsonl", "--resume"]),  # where the rows go until the end
+        ("v.ids.jsonl", "v.npy", ["--jsonl"]),  # where the ids of a .npy go
+    ],
+)
+def test_an_output_that_is_the_input_is_refused_at_once(server, tmp_path, source, out, flags):
+    """It was told "exists: add --resume", and with --resume read the input as rows of its own."""
+    (tmp_path / "sub").mkdir()
+    data = "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(corpus(4)))
+    (tmp_path / "same.jsonl").write_text(data, encoding="utf-8")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "same.jsonl")
+    (tmp_path / source).write_text(data, encoding="utf-8")
+    before = {f: f.read_bytes() for f in tmp_path.rglob("*") if f.is_file()}
+    done = embed_file(server, str(tmp_path / source), "--out", str(tmp_path / out), *flags)
+    assert done.returncode == 2, done.stderr
+    assert f"is the input file {tmp_path / source}: give another --out" in done.stderr, done.stderr
+    assert {f: f.read_bytes() for f in tmp_path.rglob("*") if f.is_file()} == before
 
 
 def test_an_unreachable_server_is_said_while_retried_not_a_silent_hang(tmp_path):

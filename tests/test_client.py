@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,8 +69,11 @@ def test_an_argument_that_is_not_utf8_is_named_not_a_traceback(server):
     # The shell hands the bytes over as they are; Python gives them as lone surrogates (PEP 383).
     done = run_client("--address", server.address, "embed", "fine", os.fsdecode(b"lone \xed\xb2\x80 byte"))
     assert done.returncode == 2, done.stderr
-    assert "text 2 is not UTF-8" in done.stderr and "byte 0xed at offset 5" in done.stderr, done.stderr
+    assert "input 1 is not UTF-8" in done.stderr and "byte 0xed at offset 5" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    # Named as the server names the same argument when it refuses it: it said "text 2" to "input 1".
+    done = run_client("--address", server.address, "embed", "fine", "")
+    assert done.returncode == 1 and "input 1 is an empty string" in done.stderr, done.stderr
 
 
 def test_embed_file_writes_rows_in_the_file_order(server, client, tmp_path):
@@ -85,6 +89,22 @@ def test_embed_file_writes_rows_in_the_file_order(server, client, tmp_path):
     assert vectors.shape == (len(lines), 384)
     alone = np.concatenate([client.embed([line]) for line in lines])
     assert_close(vectors, alone)
+
+
+def test_embed_file_help_is_written_for_the_command_line_with_its_defaults():
+    """It printed bulk.py's docstring: jsonl=True, resume=True, PARTIAL_MAGIC and the like, names a
+    user of the command line never meets, and no option said its default."""
+    done = run_client("embed-file", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps lines at the terminal's width
+    for name in ("jsonl=True", "resume=True", "PARTIAL_MAGIC", "PARTIAL_SUFFIX", "SAME_ROW_COSINE"):
+        assert name not in text
+    assert "row i is input line i" in text and "An empty line is refused" in text
+    assert "OUT.partial" in text and "--resume to go on" in text and "--retry-for seconds" in text
+    for default in ("texts per request", "bytes of text per request", "requests in flight", "retried for"):
+        assert re.search(re.escape(default) + r"[^[]*\[default \S+\]", text), default
+    assert "[default 32]" in text and "[default 16]" in text and "[default 600]" in text
+    assert "[default bulk]" in text and "[default 1048576]" in text
 
 
 def test_a_lone_string_is_one_text_and_any_iterable_of_strings_is_accepted(client):

@@ -194,6 +194,25 @@ def test_settings_a_user_gets_wrong_are_refused_or_taken_as_meant(tmp_path):
         c.embed(b"hello")  # iterated, it was one int per byte
 
 
+def test_a_text_utf8_cannot_encode_is_a_value_error_naming_it():
+    """A lone surrogate (a JSON "\\udc80" escape, a file name's undecodable bytes) raised protobuf's
+    bare UnicodeEncodeError, naming no text; a text that is not a str names it (TypeError)."""
+    bad = ["fine", "also fine é", "a\udc80b"]
+    message = r"texts\[2\] holds a lone surrogate, U\+DC80 at character 1"
+    with EmbeddingClient("127.0.0.1:1") as c:
+        with pytest.raises(ValueError, match=message):
+            c.embed(bad)
+        with pytest.raises(ValueError, match=message):
+            c.tokenize(bad)
+
+    async def call() -> None:
+        async with AsyncEmbeddingClient("127.0.0.1:1") as c:
+            await c.embed(bad)
+
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(call())
+
+
 def test_a_priority_that_is_neither_interactive_nor_bulk_is_refused_before_sending(server):
     with EmbeddingClient(server.address, timeout=30) as c, pytest.raises(ValueError, match="'urgent'"):
         c.embed(["a query"], priority="urgent")
