@@ -52,7 +52,7 @@ from minilm_embed.server.config import (
     unknown_variables,
 )
 from minilm_embed.server.metrics import SupervisorMetrics
-from minilm_embed.server.place import HEARTBEAT_S, Place, reuseport_socket
+from minilm_embed.server.place import DUMP_SIGNAL, HEARTBEAT_S, Place, reuseport_socket
 from minilm_embed.server.security import load_token, server_credentials
 
 if TYPE_CHECKING:
@@ -270,6 +270,7 @@ class Supervisor:
     wakeup: int | None = None
     forced: bool = False
     cut: bool = False  # a forced stop killed a front: calls in flight may have been lost
+    engine_killed: bool = False  # a forced stop killed the engine (its exit code is then no failure)
     _stop_signals: int = 1  # the signals caught that count as the stop under way
     _stop_started: float = 0.0  # time.monotonic() when stop() began
 
@@ -279,6 +280,7 @@ class Supervisor:
         # Heartbeats (place.heartbeat): 0.0 until the process serves; each child gets a fresh one.
         self.engine_beat = self.context.RawValue("d", 0.0)
         self.front_beats: dict[int, Any] = {}
+        self._looked = self._awake_since = time.monotonic()  # see _kill_frozen
 
     def pids(self) -> list[int]:
         children = [self.engine, *self.fronts.values()]
@@ -385,32 +387,45 @@ class Supervisor:
         """Kill a child whose event loop has not run for liveness_timeout_s (heartbeats start once it
         serves): nothing inside a frozen process can act (the engine's own --batch-timeout-s watch is
         a task on the loop that froze), and health kept answering SERVING from the other processes
-        while its calls timed out. A killed front is started again; the engine's death stops the server."""
+        while its calls timed out. A killed front is started again; the engine's death stops the server.
+
+        Silence is counted from when this process last looked, too: paused with its children (Ctrl-Z,
+        `docker pause`, a cgroup freezer), it would find every beat old on waking, before the children
+        had run, and kill a healthy server (a review saw it)."""
         limit = self.config.liveness_timeout_s
         now = time.monotonic()
+        if now - self._looked > 2 * HEARTBEAT_S:  # this process did not run meanwhile either
+            self._awake_since = now
+        self._looked = now
         assert self.engine is not None
-        if limit and self.engine_beat.value and (silent := now - self.engine_beat.value) > limit:
+        if limit and self._silent(self.engine_beat, now) > limit:
             log.critical(
                 "the engine's event loop has not run for %.0fs, over --liveness-timeout-s %g: taken as "
-                "frozen and killed",
-                silent,
+                "frozen; its threads' stacks are dumped to the log, then it is killed",
+                now - self.engine_beat.value,
                 limit,
             )
             self.engine_beat.value = 0.0
-            self.engine.kill()
+            _dump_then_kill(self.engine)
         for index, front in self.fronts.items():
             beat = self.front_beats[index]
-            if limit and beat.value and (silent := now - beat.value) > limit:
+            if limit and self._silent(beat, now) > limit:
                 log.error(
                     "front %d (pid %s): its event loop has not run for %.0fs, over --liveness-timeout-s %g: "
-                    "taken as frozen and killed",
+                    "taken as frozen; its threads' stacks are dumped to the log, then it is killed",
                     index,
                     front.pid,
-                    silent,
+                    now - beat.value,
                     limit,
                 )
                 beat.value = 0.0
-                front.kill()
+                _dump_then_kill(front)
+
+    def _silent(self, beat: Any, now: float) -> float:
+        """Seconds a serving child's loop has not beaten while this process ran; 0 before it serves."""
+        if not beat.value:
+            return 0.0
+        return min(now - beat.value, now - self._awake_since)
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -488,11 +503,11 @@ class Supervisor:
             self._stop_engine.close()  # the engine stops when this pipe closes
             engine_deadline = time.monotonic() + STOP_MARGIN_S  # one grace for both waits
             self._wait_for([self.engine], engine_deadline)
-            codes.append(_join(self.engine, engine_deadline))
+            code = _join(self.engine, engine_deadline)
+            # Killed by a second signal with only the engine left, nothing to answer: a clean stop.
+            codes.append(0 if self.engine_killed else code)
         if self.cut:
             return 128 + self.caught[-1]
-        if self.forced:  # only the engine was left, with nothing to answer: a clean stop
-            codes[-1] = 0
         # Stopped before it ever served: no call was accepted, so none was lost.
         return 0 if all(code == 0 for code in codes) or not served else 1
 
@@ -520,6 +535,7 @@ class Supervisor:
         self.forced = True
         children = [p for p in (*self.fronts.values(), self.engine) if p is not None and p.is_alive()]
         self.cut = any(front.is_alive() for front in self.fronts.values())
+        self.engine_killed = self.engine is not None and self.engine.is_alive()
         name = signal.Signals(self.caught[-1]).name
         if self.cut:
             log.warning(
@@ -536,6 +552,16 @@ class Supervisor:
             )
         for process in children:
             process.kill()
+
+
+DUMP_WAIT_S = 0.5
+
+
+def _dump_then_kill(process: BaseProcess) -> None:
+    """DUMP_SIGNAL first (place.dump_stacks_on_signal): the log gets what the process was stuck in."""
+    _signal(process, DUMP_SIGNAL)
+    process.join(DUMP_WAIT_S)  # the dump's time (a stopped process cannot take it: it is killed all the same)
+    process.kill()
 
 
 def _signal(process: BaseProcess, signum: int) -> None:
@@ -639,7 +665,10 @@ def remove_stale_run_directories(temp: Path) -> None:
             continue
         shutil.rmtree(directory, ignore_errors=True)
         os.close(lock)
-        log.info("removed %s, left by a server that was killed", directory)
+        if directory.exists():
+            log.warning("could not remove all of %s, left by a server that was killed", directory)
+        else:
+            log.info("removed %s, left by a server that was killed", directory)
 
 
 def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:

@@ -41,6 +41,9 @@ def setting(name: str) -> str:
     return f"--{name.replace('_', '-')} ({env_name(name)})"
 
 
+MIN_LIVENESS_TIMEOUT_S = 3.0
+
+
 @dataclass(frozen=True)
 class ListenAddress:
     """host:port, IPv6 hosts in brackets ([::1]:50051); port 0 picks a free port."""
@@ -209,8 +212,14 @@ class ServerConfig:
                 raise ValueError(f"{setting(name)} must be more than 0, not {getattr(self, name)}")
         if self.keepalive_s < 1:  # a ping every few milliseconds on every connection is no setting
             raise ValueError(f"{setting('keepalive_s')} must be at least 1, not {self.keepalive_s}")
-        non_negative = ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s")
-        for name in (*non_negative, "liveness_timeout_s"):
+        # Heartbeats come and are looked at every second (server/place.py): under 3 s a loaded but
+        # healthy process would be taken as frozen.
+        if self.liveness_timeout_s and not self.liveness_timeout_s >= MIN_LIVENESS_TIMEOUT_S:
+            raise ValueError(
+                f"{setting('liveness_timeout_s')} must be 0 (never) or at least {MIN_LIVENESS_TIMEOUT_S:g}, "
+                f"not {self.liveness_timeout_s}"
+            )
+        for name in ("max_waiting_calls", "max_queue_delay_ms", "drain_timeout_s", "batch_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{setting(name)} must be 0 or more, not {getattr(self, name)}")
         auto = ("max_batch_tokens", "max_batch_size", "front_processes", "model_instances", "threads")
@@ -353,7 +362,8 @@ _HELP = {
     "batch_timeout_s": "a model run longer than this is taken as hung: the engine exits and the server "
     "exits 1 (0: never)",
     "liveness_timeout_s": "the engine's or a front's event loop that has not run for this long is taken as "
-    "frozen: a front is killed and started again, the engine killed and the server exits 1 (0: never)",
+    "frozen: a front is killed and started again, the engine killed and the server exits 1 (0: never; "
+    "else at least 3)",
     "max_connection_age_s": "connections are closed (gracefully) after this age so clients re-resolve",
     "keepalive_s": (
         "a gRPC connection silent this long is pinged, and closed when its client does not answer "

@@ -32,7 +32,7 @@ from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Row
 from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.errors import ServiceError, internal
 from minilm_embed.server.metrics import Metrics
-from minilm_embed.server.place import heartbeat
+from minilm_embed.server.place import dump_stacks_on_signal, heartbeat
 from minilm_embed.server.proctitle import name_process
 
 log = logging.getLogger(__name__)
@@ -325,6 +325,7 @@ def run_engine(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name_process("embed-engine")
     logs.configure(config.log_level, config.log_format)  # a spawned process starts unconfigured
+    dump_stacks_on_signal()
 
     def publish_depth(value: int) -> None:
         depth.value = value

@@ -48,7 +48,7 @@ from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
-from minilm_embed.server.place import Place, heartbeat, reuseport_socket
+from minilm_embed.server.place import Place, dump_stacks_on_signal, heartbeat, reuseport_socket
 from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
 from minilm_embed.server.security import BearerAuth, load_token, server_credentials
@@ -503,6 +503,7 @@ def run_front(config: ServerConfig, place: Place) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
     name_process(f"embed-front-{place.index}")
     configure_logging(config)
+    dump_stacks_on_signal()
     try:
         code = asyncio.run(serve_front(config, place))
     except Exception as e:  # a setting or file that cannot be used: the supervisor reports it

@@ -7,6 +7,8 @@ Light on purpose: the supervisor imports it, and never the fronts' or the engine
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -32,6 +34,16 @@ class Place:
 
 # How often a serving process's event loop writes its heartbeat; the supervisor looks as often.
 HEARTBEAT_S = 1.0
+
+
+# Sent to a child taken as frozen just before it is killed (app._dump_then_kill).
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal() -> None:
+    """On DUMP_SIGNAL, write every thread's Python stack to fd 2 (the log): faulthandler does it from C,
+    without the GIL a deadlock may hold."""
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
 async def heartbeat(beat: Any) -> None:

@@ -177,7 +177,7 @@ def test_a_frozen_front_is_killed_and_started_again(model_dir: Path) -> None:
     """An operator's pass stopped a front (SIGSTOP): nothing noticed, and with two fronts half the
     health checks and calls timed out. Its event loop's heartbeat stops; past --liveness-timeout-s the
     supervisor kills it and it is started again, and the server serves on."""
-    with serving("--front-processes", "1", "--liveness-timeout-s", "2") as server:
+    with serving("--front-processes", "1", "--liveness-timeout-s", "5") as server:
         assert wait_for(lambda: len(server.front_pids()) == 1, timeout=60), server.front_pids()
         (frozen,) = server.front_pids()
         os.kill(frozen, signal.SIGSTOP)
@@ -185,7 +185,7 @@ def test_a_frozen_front_is_killed_and_started_again(model_dir: Path) -> None:
         assert served_again(server, 1), "".join(server.lines[-10:])
         said = [line for line in server.lines if "taken as frozen" in line]
         assert len(said) == 1 and f"front 0 (pid {frozen}): its event loop has not run for" in said[0], said
-        assert "over --liveness-timeout-s 2" in said[0]
+        assert "over --liveness-timeout-s 5" in said[0]
         assert restarts(server) == 1
         with EmbeddingClient(server.address, timeout=60) as client:
             vector = client.embed([SENTENCE])

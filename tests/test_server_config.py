@@ -123,6 +123,17 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
             {},
             "--max-connection-age-s (EMBED_MAX_CONNECTION_AGE_S) must be more",
         ),
+        # Heartbeats come every second: at 1 s a loaded but healthy process would be killed as frozen.
+        (
+            ["--liveness-timeout-s", "1"],
+            {},
+            "--liveness-timeout-s (EMBED_LIVENESS_TIMEOUT_S) must be 0 (never) or at least 3, not 1.0",
+        ),
+        (
+            [],
+            {"EMBED_LIVENESS_TIMEOUT_S": "nan"},
+            "EMBED_LIVENESS_TIMEOUT_S",
+        ),
         (["--threads", "-2"], {}, "--threads (EMBED_THREADS) must be 0 (auto) or more, not -2"),
         (["--max-padding", "2"], {}, "--max-padding (EMBED_MAX_PADDING) must be between 0 and 1, not 2.0"),
         (
