@@ -17,7 +17,8 @@ Two output formats, chosen by the suffix of the output path:
   written last. For JSONL input the ids go beside it, one JSON value per line, in `<stem>.ids.jsonl`
   (that name from the start: only as many ids are read as the vectors have rows). Each row's id is
   handed to the OS before its vector, so a killed job leaves no row without its id; a resume refuses
-  a .npy with fewer ids than rows (an ids file that is not its own) rather than drop rows.
+  a finished .npy with fewer ids than rows (an ids file that is not its own) rather than drop rows,
+  and a new job an ids file already there without its .npy.
 - `.jsonl`: one `{"id": ..., "embedding": [...]}` object per line, each float with the 9 significant
   digits that give back the same float32.
 
@@ -317,10 +318,10 @@ class NpySink:
         return len(npy_header(0, self.dims))
 
     def inspect(self) -> Written:
-        self.rows = self._whole_rows()
+        self.rows, sealed = self._whole_rows()
         if self.ids_path is None:
             if self.rows and (beside := ids_beside(self.path)).exists():
-                if (count := whole_lines(beside, keep=self.rows).count) < self.rows:
+                if sealed and (count := whole_lines(beside, keep=self.rows).count) < self.rows:
                     raise OutputFileError(self._fewer_ids(beside, count))
                 raise OutputFileError(
                     f"{self.path}: made from JSONL input (its ids are in {beside}): resume it with --jsonl"
@@ -331,13 +332,17 @@ class NpySink:
                 f"{self.path}: made from text input (no {self.ids_path} beside it): resume it without --jsonl"
             )
         ids = whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else Lines()
-        if ids.count < self.rows:
+        if ids.count < self.rows and sealed:
             raise OutputFileError(self._fewer_ids(self.ids_path, ids.count))
-        self._ids_size = ids.size
+        # Unfinished, its ids may lag its rows: clients before 2026-11-29 wrote the vectors first (a
+        # kill then left rows without ids), and a power loss keeps what the page cache chose. The rows
+        # past the last id go (the vectors are cut there as the job opens the file) and are redone.
+        self.rows, self._ids_size = min(self.rows, ids.count), ids.size
         return Written(self.rows, (json.loads(ids.last),) if self.rows else (), self.row(self.rows - 1))
 
-    def _whole_rows(self) -> int:
-        """The rows in the file, its header checked: a row cut short by a kill is not counted."""
+    def _whole_rows(self) -> tuple[int, bool]:
+        """The rows in the file, its header checked (a row cut short by a kill is not counted), and
+        whether it is sealed (a finished output, numpy's magic) rather than unfinished."""
         with self.path.open("rb") as f:
             head = f.read(self.header_size)
         for magic in (NPY_MAGIC, PARTIAL_MAGIC):
@@ -348,13 +353,12 @@ class NpySink:
         columns = int(head.split(b"'shape': (")[1].split(b")")[0].split(b",")[1])
         if columns != self.dims:
             raise OutputFileError(f"{self.path}: rows of {columns} floats, but the server gives {self.dims}")
-        return (self.path.stat().st_size - self.header_size) // (4 * self.dims)
+        return (self.path.stat().st_size - self.header_size) // (4 * self.dims), magic == NPY_MAGIC
 
     def _fewer_ids(self, ids_file: Path, ids: int) -> str:
-        """Each row's id reaches the disk before its vector (`write`) and a sealed file has them all, so
-        fewer ids than rows are not this output's ids, or not all of them: going on from the last id
-        would throw away the rows past it, and without ids the file could not be told from one made
-        from text input."""
+        """A sealed file's ids were all written before it was sealed, so fewer ids than rows are not
+        this output's ids, or not all of them: going on from the last id would throw away the rows
+        past it, and without ids the file could not be told from one made from text input."""
         return (
             f"{self.path} has {self.rows} rows but {ids_file} holds {ids} ids: cannot resume it as it is "
             f"(if it was made from text input, remove {ids_file} and resume without --jsonl)"
@@ -542,6 +546,17 @@ def existing_output(out: Path, resume: bool) -> Path | None:
             f"{partial} holds the rows of an unfinished job: add --resume to go on with it, or remove it"
         )
     return partial if partial.exists() else out if out.exists() else None
+
+
+def refuse_stray_ids(out: Path, jsonl: bool) -> None:
+    """A new .npy from JSONL input writes its ids beside it: an ids file already there, with no output
+    it belongs to, is someone's (an earlier job's whose .npy was moved): never written over."""
+    ids = ids_beside(out)
+    if jsonl and out.suffix == ".npy" and ids.exists():
+        raise OutputFileError(
+            f"{ids} exists, but neither {out} nor {partial_path(out)}: this job would write its ids "
+            "there; move or remove it, or choose another --out"
+        )
 
 
 def skip_written(records: Iterator[Record], written: Written, name: str) -> Record | None:
@@ -812,6 +827,8 @@ async def run_job(
     leaves no file."""
     refuse_input_as_output(job)
     existing = existing_output(job.out, job.resume)
+    if existing is None:
+        refuse_stray_ids(job.out, job.jsonl)
     partial = partial_path(job.out)
     sink = sink_for(job.out, served.dims, job.jsonl, at=existing or partial)
     with input_stream(job.source) as (stream, name):

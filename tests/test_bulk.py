@@ -420,23 +420,55 @@ def test_each_rows_id_reaches_the_disk_before_its_vector(tmp_path):
         sink.close(complete=False)
 
 
-@pytest.mark.parametrize("sealed", [True, False])
-@pytest.mark.parametrize("ids", [b"", b'"d0"\n"d1"\n'])
-def test_a_npy_with_fewer_ids_than_rows_is_refused_not_cut_back(tmp_path, sealed, ids):
-    """The rows past the last id were thrown away, and the job went on from there: an empty ids file
-    beside a finished .npy made from text input lost every row."""
-    out = tmp_path / "v.npy"
+def three_rows_beside(out: Path, ids: bytes, sealed: bool) -> None:
     sink = bulk.NpySink(out, dims=4, ids_path=bulk.ids_beside(out))
     sink.open(resume=False)
     sink.write([bulk.Record(f"d{i}", "t", i) for i in range(3)], np.ones((3, 4), dtype=np.float32))
     sink.close(complete=sealed)
     bulk.ids_beside(out).write_bytes(ids)
+
+
+@pytest.mark.parametrize("ids", [b"", b'"d0"\n"d1"\n'])
+def test_a_finished_npy_with_fewer_ids_than_rows_is_refused_not_cut_back(tmp_path, ids):
+    """The rows past the last id were thrown away, and the job went on from there: an empty ids file
+    beside a finished .npy made from text input lost every row. A sealed file had all its ids."""
+    out = tmp_path / "v.npy"
+    three_rows_beside(out, ids, sealed=True)
     before = out.read_bytes()
     count = ids.count(b"\n")
     for ids_path in (bulk.ids_beside(out), None):  # resumed with JSONL input, and with text
         with pytest.raises(bulk.OutputFileError, match=f"has 3 rows but .*v.ids.jsonl holds {count} ids"):
             bulk.NpySink(out, 4, ids_path).inspect()
     assert out.read_bytes() == before and bulk.ids_beside(out).read_bytes() == ids
+
+
+@pytest.mark.parametrize("ids", [b"", b'"d0"\n"d1"\n'])
+def test_an_unfinished_npy_whose_ids_lag_its_rows_goes_on_from_the_last_id(tmp_path, ids):
+    """Clients before 2026-11-29 wrote a batch's vectors before its ids, so a killed JSONL job usually
+    left fewer ids than rows (and a power loss may still): it resumes from the last row with an id,
+    as it always did. Resumed as text input, it is named as JSONL's."""
+    out = tmp_path / "v.npy"
+    three_rows_beside(out, ids, sealed=False)
+    count = ids.count(b"\n")
+    written = bulk.NpySink(out, 4, bulk.ids_beside(out)).inspect()
+    assert written.rows == count and written.last_id == (("d1",) if count else ())
+    with pytest.raises(bulk.OutputFileError, match="made from JSONL input"):
+        bulk.NpySink(out, 4, None).inspect()
+
+
+@pytest.mark.parametrize("first_line", ['{"id": 1, "text": "a text"}', "not JSON"])
+def test_a_new_npy_job_never_writes_over_an_ids_file_it_did_not_make(server, tmp_path, first_line):
+    """A review: a new `--jsonl --out v.npy` truncated a v.ids.jsonl already there (an earlier job's,
+    its .npy moved away), and one that failed on its first line then deleted it."""
+    path, out = tmp_path / "in.jsonl", tmp_path / "v.npy"
+    path.write_text(first_line + "\n", encoding="utf-8")
+    bulk.ids_beside(out).write_text('"a"\n"b"\n')
+    for resume in ([], ["--resume"]):
+        done = embed_file(server, str(path), "--jsonl", "--out", str(out), *resume)
+        assert done.returncode == 2
+        assert f"{bulk.ids_beside(out)} exists, but neither {out} nor" in done.stderr, done.stderr
+    assert bulk.ids_beside(out).read_text() == '"a"\n"b"\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "v.ids.jsonl"]
 
 
 def test_refusals_that_may_pass_later_are_retried_and_others_are_not():
