@@ -297,8 +297,11 @@ async def drain(
     served = front.readiness.ready
     await front.readiness.not_serving(reason, error_reason)
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
-    # clients' health watches get a moment to move new calls elsewhere first.
-    await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
+    # clients' health watches get a moment to move new calls elsewhere first. Not when the supervisor
+    # is gone (killed): the engine stops with it, so there is nothing to serve, and a server started
+    # again at once (systemd's restart, 100 ms later) found the port still held: "in use", exit 2.
+    if not supervisor_gone():
+        await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
     places = front.service.places
     if served:
         http = f", {front.http.calls} HTTP calls being served" if front.http is not None else ""
@@ -350,6 +353,11 @@ async def drain(
             )
         else:
             log.info("front %d: %s drained in %.2fs", index, api, seconds)
+
+
+def supervisor_gone() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
 
 
 async def _seconds(awaitable: Awaitable[None]) -> float:
@@ -461,7 +469,13 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     watch_process(place.engine_pid, engine_gone)
     parent = multiprocessing.parent_process()
     if parent is not None:
-        loop.add_reader(parent.sentinel, stop.set)  # the supervisor is gone: stop too
+
+        def orphaned() -> None:
+            log.error("front %d: the supervisor is gone (killed?): stopping at once", index)
+            loop.remove_reader(parent.sentinel)
+            stop.set()
+
+        loop.add_reader(parent.sentinel, orphaned)
     # Every request is asked of the held budget first, admitted or refused.
     reclaiming = asyncio.create_task(reclaim_memory(front.service.embedder.held_bytes))
     starting = asyncio.create_task(start(front))

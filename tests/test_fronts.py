@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import signal
+import socket
 import string
 import subprocess
 import sys
@@ -294,6 +295,24 @@ def test_the_stop_signals_are_caught_before_the_server_imports_its_second_of_mod
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_killed_supervisors_children_stop_at_once_and_free_the_ports():
+    """An operator's pass: after `kill -9` of the supervisor its fronts drained as usual (a second of
+    notice first) while the engine, stopped with the supervisor, could serve nothing; a server started
+    again at once (systemd's restart) found the port in use and exited 2. A front now stops at once."""
+    process = start_server("--front-processes", "1").wait_serving()
+    children = [process.engine_pid, *process.front_pids()]
+    process.proc.kill()
+    process.proc.wait(10)
+    assert wait_for(lambda: not [pid for pid in children if Path(f"/proc/{pid}").exists()], timeout=10)
+    assert wait_for(lambda: any("the supervisor is gone" in line for line in process.lines), timeout=5)
+    said = [line for line in process.lines if "the supervisor is gone" in line]
+    assert "front 0: the supervisor is gone (killed?): stopping at once" in said[0], said
+    port = int(process.address.rpartition(":")[2])
+    with socket.socket() as sock:  # as a server started again binds it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
 
 
 def test_sigterm_while_the_engine_loads_stops_the_server_without_waiting_for_the_load():
