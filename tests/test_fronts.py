@@ -12,7 +12,6 @@ import errno
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -201,9 +200,9 @@ def test_a_process_taken_as_frozen_writes_its_stacks_to_the_log_before_it_is_kil
         "import time\n"
         "from minilm_embed.server.place import dump_stacks_on_signal\n"
         "def stuck_here():\n"
+        "    print('ready', flush=True)\n"  # from inside: the dump cannot come before the call
         "    time.sleep(60)\n"
         "dump_stacks_on_signal()\n"
-        "print('ready', flush=True)\n"
         "stuck_here()\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -221,18 +220,18 @@ def test_a_server_paused_whole_and_resumed_is_not_taken_for_frozen():
     """Ctrl-Z then fg, `docker pause`, a cgroup freezer: the supervisor and its children stop together.
     A review saw the supervisor wake first, find every heartbeat older than --liveness-timeout-s, and
     kill a healthy server. Here it is resumed first, its children a moment later."""
-    process = start_server("--front-processes", "1", "--liveness-timeout-s", "5").wait_serving()
+    process = start_server("--front-processes", "1", "--liveness-timeout-s", "3").wait_serving()
     try:
         assert process.engine_pid is not None
         children = [process.engine_pid, *process.front_pids()]
         for pid in [process.proc.pid, *children]:
             os.kill(pid, signal.SIGSTOP)
-        time.sleep(7)
+        time.sleep(5)
         os.kill(process.proc.pid, signal.SIGCONT)
-        time.sleep(1.5)  # the supervisor looks at the beats every second
+        time.sleep(1.2)  # the supervisor looks at the beats every second
         for pid in children:
             os.kill(pid, signal.SIGCONT)
-        time.sleep(3)
+        time.sleep(2.5)
         assert process.proc.poll() is None, "".join(process.lines[-10:])
         assert not [line for line in process.lines if "taken as frozen" in line]
         with EmbeddingClient(process.address, timeout=30) as client:
@@ -295,24 +294,6 @@ def test_the_stop_signals_are_caught_before_the_server_imports_its_second_of_mod
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-
-
-def test_a_killed_supervisors_children_stop_at_once_and_free_the_ports():
-    """An operator's pass: after `kill -9` of the supervisor its fronts drained as usual (a second of
-    notice first) while the engine, stopped with the supervisor, could serve nothing; a server started
-    again at once (systemd's restart) found the port in use and exited 2. A front now stops at once."""
-    process = start_server("--front-processes", "1").wait_serving()
-    children = [process.engine_pid, *process.front_pids()]
-    process.proc.kill()
-    process.proc.wait(10)
-    assert wait_for(lambda: not [pid for pid in children if Path(f"/proc/{pid}").exists()], timeout=10)
-    assert wait_for(lambda: any("the supervisor is gone" in line for line in process.lines), timeout=5)
-    said = [line for line in process.lines if "the supervisor is gone" in line]
-    assert "front 0: the supervisor is gone (killed?): stopping at once" in said[0], said
-    port = int(process.address.rpartition(":")[2])
-    with socket.socket() as sock:  # as a server started again binds it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
 
 
 def test_sigterm_while_the_engine_loads_stops_the_server_without_waiting_for_the_load():

@@ -1210,16 +1210,26 @@ def test_a_second_stop_signal_after_the_fronts_stopped_cuts_nothing_and_exits_0(
     assert not [line for line in server.lines if "are cut" in line or "did not stop in time" in line]
 
 
-def test_a_killed_servers_directory_is_removed_by_the_next_server_and_no_other(tmp_path):
-    """An operator's pass: a SIGKILLed supervisor (or one the OOM killer took) left its run directory
-    in /tmp, 120 kB to 15 MB each, and under Kubernetes /tmp is a size-limited emptyDir that outlives
-    the container's restarts. The next server removes it; a live server's, and a directory that is
-    not a run directory, stay."""
+def test_a_killed_supervisors_children_stop_at_once_and_its_directory_goes_with_the_next_start(tmp_path):
+    """An operator's pass killed the supervisor (kill -9, as the OOM killer would). Its fronts drained
+    as usual, a second of notice first, though the engine had stopped with it: a server started again
+    at once (systemd's restart) found the port in use and exited 2. Now they stop at once. And its run
+    directory was left in /tmp (120 kB to 15 MB each), under Kubernetes a size-limited emptyDir that
+    outlives restarts: the next server removes it; a live server's, and a directory that is not a run
+    directory, stay."""
     env = {"TMPDIR": str(tmp_path)}
     with serving(env=env) as first:
         (left,) = tmp_path.glob("embed-*")
+        children = [first.engine_pid, *first.front_pids()]
         first.proc.kill()
         first.proc.wait(10)
+        assert wait_for(lambda: not [pid for pid in children if Path(f"/proc/{pid}").exists()], timeout=10)
+        assert wait_for(lambda: any("the supervisor is gone" in line for line in first.lines), timeout=5)
+    said = [line for line in first.lines if "the supervisor is gone" in line]
+    assert "front 0: the supervisor is gone (killed?): stopping at once" in said[0], said
+    with socket.socket() as sock:  # as a server started again binds it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", int(first.address.rpartition(":")[2])))
     assert (left / "metrics").is_dir(), "the killed server's directory is there to be removed"
     live, other = tmp_path / "embed-live", tmp_path / "embed-other"
     live.mkdir()
