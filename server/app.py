@@ -177,7 +177,7 @@ def check_cores(config: ServerConfig, cores: int) -> None:
 
     ONNX Runtime starts every thread asked for (a user-acceptance pass reported --threads 100000
     hanging or exhausting the machine), and the supervisor every front: --front-processes 1000 on 2
-    cores started a process for each (about 95 MB resident once serving) until the machine ran out of
+    cores started a process for each (about 94 MiB resident once serving) until the machine ran out of
     memory and even SIGTERM took minutes. More of any of them than cores cannot run at once: they only
     take turns.
     """
@@ -397,29 +397,26 @@ class Supervisor:
         if now - self._looked > 2 * HEARTBEAT_S:  # this process did not run meanwhile either
             self._awake_since = now
         self._looked = now
+        if not limit:
+            return
         assert self.engine is not None
-        if limit and self._silent(self.engine_beat, now) > limit:
-            log.critical(
-                "the engine's event loop has not run for %.0fs, over --liveness-timeout-s %g: taken as "
-                "frozen; its threads' stacks are dumped to the log, then it is killed",
-                now - self.engine_beat.value,
-                limit,
-            )
-            self.engine_beat.value = 0.0
-            _dump_then_kill(self.engine)
+        # Whose loop, as the log names it: "the engine's", "front 0 (pid P): its".
+        children = [("the engine's", self.engine, self.engine_beat, logging.CRITICAL)]
         for index, front in self.fronts.items():
-            beat = self.front_beats[index]
-            if limit and self._silent(beat, now) > limit:
-                log.error(
-                    "front %d (pid %s): its event loop has not run for %.0fs, over --liveness-timeout-s %g: "
-                    "taken as frozen; its threads' stacks are dumped to the log, then it is killed",
-                    index,
-                    front.pid,
+            whose = f"front {index} (pid {front.pid}): its"
+            children.append((whose, front, self.front_beats[index], logging.ERROR))
+        for name, process, beat, level in children:
+            if self._silent(beat, now) > limit:
+                log.log(
+                    level,
+                    "%s event loop has not run for %.0fs, over --liveness-timeout-s %g: taken as frozen; "
+                    "its threads' stacks are dumped to the log, then it is killed",
+                    name,
                     now - beat.value,
                     limit,
                 )
                 beat.value = 0.0
-                _dump_then_kill(front)
+                _dump_then_kill(process)
 
     def _silent(self, beat: Any, now: float) -> float:
         """Seconds a serving child's loop has not beaten while this process ran; 0 before it serves."""
@@ -631,8 +628,8 @@ def run_directory() -> Iterator[Path]:
     """The server's directory (the metrics files, the engine's socket) in the temp dir, removed at the
     end and locked (flock) for the supervisor's life; those of servers killed before they could
     remove theirs (SIGKILL, the OOM killer) are removed first. An operator's pass saw one left by every
-    such death, 120 kB to 15 MB each, and under Kubernetes /tmp is an emptyDir with a 64 MiB limit
-    that outlives the container's restarts: past it the pod is evicted."""
+    such death (84 kB for one front; more with more fronts and restarts), and under Kubernetes /tmp is
+    an emptyDir with a 64 MiB limit that outlives the container's restarts: past it the pod is evicted."""
     remove_stale_run_directories(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=RUN_PREFIX) as name:
         # Locked before it has its name: a server sweeping meanwhile never finds it free.

@@ -289,11 +289,8 @@ def create_engine(
 ) -> Engine:
     """Load and verify the model repository and the backend (errors: ModelRepositoryError, ValueError)."""
     repo = open_repository(config.model_dir)
-    if 0 < config.max_batch_tokens < repo.max_input_tokens:  # refused before the model loads
-        raise ValueError(
-            f"max_batch_tokens {config.max_batch_tokens} cannot hold one input of "
-            f"max_input_tokens {repo.max_input_tokens}"
-        )
+    # The supervisor refused such a budget before any child started (app.check_batch_tokens).
+    assert not 0 < config.max_batch_tokens < repo.max_input_tokens, config.max_batch_tokens
     backend = backend_factory(config, repo)
     config = batch_limits_for(config, backend.provider)
     log.info(
@@ -339,18 +336,14 @@ def run_engine(
     async def main() -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_reader(stop_when.fileno(), stop.set)
-        beating: list[asyncio.Task[None]] = []
+        beating: list[asyncio.Task[None]] = []  # held until asyncio.run ends, which cancels it
 
         def ready(facts: Any) -> None:
             # From here on the supervisor holds the loop to its heartbeat (the warm-up may block it).
             beating.append(asyncio.create_task(heartbeat(beat)))
             events.send(("ready", facts))
 
-        try:
-            await engine.serve(address, stop, ready)
-        finally:
-            for task in beating:
-                task.cancel()
+        await engine.serve(address, stop, ready)
 
     asyncio.run(main())
     log.info("engine stopped")

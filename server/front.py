@@ -299,7 +299,7 @@ async def drain(
     # A call that arrives in the instant the server stops is cancelled by gRPC (not retried), so
     # clients' health watches get a moment to move new calls elsewhere first. Not when the supervisor
     # is gone (killed): the engine stops with it, so there is nothing to serve, and a server started
-    # again at once (systemd's restart, 100 ms later) found the port still held: "in use", exit 2.
+    # again 0.2 s after the kill found the port still held (an operator's pass): "in use", exit 2.
     if not supervisor_gone():
         await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
     places = front.service.places

@@ -1213,10 +1213,10 @@ def test_a_second_stop_signal_after_the_fronts_stopped_cuts_nothing_and_exits_0(
 def test_a_killed_supervisors_children_stop_at_once_and_its_directory_goes_with_the_next_start(tmp_path):
     """An operator's pass killed the supervisor (kill -9, as the OOM killer would). Its fronts drained
     as usual, a second of notice first, though the engine had stopped with it: a server started again
-    at once (systemd's restart) found the port in use and exited 2. Now they stop at once. And its run
-    directory was left in /tmp (120 kB to 15 MB each), under Kubernetes a size-limited emptyDir that
-    outlives restarts: the next server removes it; a live server's, and a directory that is not a run
-    directory, stay."""
+    0.2 s after the kill found the port in use and exited 2. Now they stop at once. And its run
+    directory was left in /tmp (84 kB for one front, more with more), under Kubernetes a size-limited
+    emptyDir that outlives restarts: the next server removes it; a live server's, and a directory that
+    is not a run directory, stay."""
     env = {"TMPDIR": str(tmp_path)}
     with serving(env=env) as first:
         (left,) = tmp_path.glob("embed-*")
