@@ -22,17 +22,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx
-import onnxruntime
-import tokenizers
-import torch
-
-from minilm_embed.export.fp16 import FP16_SKIPPED, Fp16Error, fp16_record, gated_fp16
-from minilm_embed.export.onnx import IR_VERSION, OPSET, export_onnx, save, share_tensor
-from minilm_embed.export.optimize import cpu_session, graph_plan, quantize_int8
-from minilm_embed.export.parity import ParityError, ParityReport, run_int8_gate, run_parity
+# Only what checking the arguments and --out needs is imported here: torch, onnx, onnxruntime and the
+# parity gate's libraries (sentence-transformers, scipy) take seconds to import, so each step below
+# imports what it uses when it runs. An --out refused fails at once; weights that cannot be read fail
+# once torch (which the weights' module imports) is loaded, before the rest is.
 from minilm_embed.model.checksum import sha256_file
 from minilm_embed.model.data import DataError, read_sts, sts_path
 from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
@@ -46,15 +41,11 @@ from minilm_embed.model.repository import (
     Manifest,
     SharedTensor,
 )
-from minilm_embed.model.tokenizer import Tokenizer
-from minilm_embed.model.weights import (
-    DEFAULT_SHA256,
-    Checkpoint,
-    WeightsError,
-    default_weights_dir,
-    load_checkpoint,
-    read_tokenizer,
-)
+
+if TYPE_CHECKING:
+    from minilm_embed.export.parity import ParityReport
+    from minilm_embed.model.tokenizer import Tokenizer
+    from minilm_embed.model.weights import Checkpoint
 
 CALIBRATION_SENTENCES = 800
 # In each staging directory from the start, locked (flock LOCK_EX) by its export for the export's whole
@@ -93,6 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import tokenizers
+    import torch
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -110,6 +106,10 @@ def manifest(
     int8: dict[str, Any] | None,
     fp16: dict[str, Any] | None,
 ) -> Manifest:
+    from minilm_embed.export.fp16 import FP16_SKIPPED
+    from minilm_embed.export.onnx import IR_VERSION, OPSET
+    from minilm_embed.export.optimize import graph_plan
+
     return Manifest(
         model_id=ckpt.model_id,
         source=str(ckpt.directory),
@@ -131,10 +131,17 @@ def manifest(
 def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
+    from minilm_embed.model.weights import load_checkpoint, read_tokenizer
+
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
     for line in ckpt.defaults:
         print(f"export: note: {line}", file=sys.stderr)
     tokenizer = read_tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
+    # The weights and their tokenizer read: now the libraries that export and gate them.
+    from minilm_embed.export.onnx import export_onnx, save, share_tensor
+    from minilm_embed.export.optimize import cpu_session
+    from minilm_embed.export.parity import run_parity
+
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
     shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
@@ -158,6 +165,10 @@ def build_int8(
     staging: Path, tokenizer: Tokenizer, data_dir: Path, fp32: ParityReport, num_heads: int
 ) -> ParityReport:
     """Per-token int8, smoothed with scales from STS-B train (never dev or test), behind its own gate."""
+    from minilm_embed.export.onnx import share_tensor
+    from minilm_embed.export.optimize import cpu_session, quantize_int8
+    from minilm_embed.export.parity import run_int8_gate
+
     pairs = read_sts(sts_path(data_dir, "train"))
     sentences = list(dict.fromkeys(s for p in pairs for s in (p.first, p.second)))[:CALIBRATION_SENTENCES]
     quantize_int8(staging / FP32_FILE, staging / INT8_FILE, tokenizer.encode(sentences).ids, num_heads)
@@ -176,6 +187,10 @@ def build_fp16(
 ) -> dict[str, Any] | None:
     """The fp16 graph for CUDA, where this host has a GPU to gate it on; a refused graph is one line,
     and the repository ships without it (CUDA then serves fp32)."""
+    import onnxruntime
+
+    from minilm_embed.export.fp16 import Fp16Error, fp16_record, gated_fp16
+
     if not gpu_present() or CUDA_PROVIDER not in onnxruntime.get_available_providers():
         return None
     try:
@@ -313,6 +328,8 @@ def marker_owner(fd: int) -> str:
 def export(args: argparse.Namespace) -> None:
     """The export the arguments ask for, swapped in as --out once it has passed its gates."""
     check_out(args.out, MANIFEST_FILE, "a model repository")
+    from minilm_embed.model.weights import DEFAULT_SHA256, default_weights_dir
+
     weights = args.weights or default_weights_dir()
     expected = args.sha256 or (DEFAULT_SHA256 if args.weights is None else None)
     swapped: list[Path] = []
@@ -327,6 +344,21 @@ def export(args: argparse.Namespace) -> None:
         # is done.
 
 
+def refused(e: Exception) -> bool:
+    """Whether `e` is bad input or a failed gate, which main reports in one line. The weights' and the
+    gate's errors are looked up only for an error that is none of the others: their modules import
+    torch, which an --out refused never needs (an error of theirs was raised after they were loaded)."""
+    if isinstance(e, (DataError, OutputError, OSError)):
+        return True
+    from minilm_embed.model.weights import WeightsError
+
+    if isinstance(e, WeightsError):
+        return True
+    from minilm_embed.export.parity import ParityError
+
+    return isinstance(e, ParityError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -337,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-    except (WeightsError, ParityError, DataError, OutputError, OSError) as e:
+    except Exception as e:
+        if not refused(e):
+            raise  # a bug: its traceback
         print(f"export: error: {e}", file=sys.stderr)
         return 2
     print(f"export: wrote {args.out} (parity passed)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import io
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,49 @@ def run_export(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(**export_command(*args), capture_output=True, timeout=300)
 
 
+def export_here(capfd, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """The CLI's main() in this process, as export_command starts it (no EMBED_DATA_DIR, in the
+    checkout): its exit status, stdout and stderr (fd-level: what libraries write too). For tests of
+    what an export writes and says, where a process of its own would spend ~10 CPU-s importing torch
+    and sentence-transformers again; those of the process itself (a kill, Ctrl-C, what a user sees of
+    bad input) start one."""
+    monkeypatch.delenv("EMBED_DATA_DIR", raising=False)
+    monkeypatch.chdir(ROOT)
+    # Imported (where no export here has yet) with capture off: transformers' log handler keeps the
+    # stderr it found then, which must be fd 2, where capfd reads, not a capture pytest closes after.
+    with capfd.disabled():
+        importlib.import_module("sentence_transformers")
+    capfd.readouterr()
+    status = export_main().main(list(args))
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """PyTorch on one thread in this module's process, as the sessions it makes are (threads=1): on
+    CI's two vCPUs, shared by make test's three workers, a second thread mostly spins (CPU time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """One real export of the default weights into an empty directory (about 20 s)."""
+    """One real export of the default weights into an empty directory, without a data directory: the
+    CLI's main() in this process (the CLI's own process is run to its end, on a small checkpoint, by
+    test_exporting_a_trained_checkpoint_prints_no_load_report_for_the_unused_pooler)."""
     out = tmp_path_factory.mktemp("export") / "out"
-    result = run_export("--out", str(out))
+    argv = ["--out", str(out)]
+    # Imported before stderr is redirected: transformers' log handler keeps the stderr it found then.
+    importlib.import_module("sentence_transformers")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
+        patch.delenv("EMBED_DATA_DIR", raising=False)
+        patch.chdir(ROOT)
+        status = export_main().main(argv)
+    result = subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
     assert result.returncode == 0, result.stderr
     return out, result
 
@@ -239,7 +278,7 @@ def test_parity_gate_fails_a_perturbed_encoder(exported, encoder_and_checkpoint,
     with torch.no_grad():
         for param in perturbed.layers[3].parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
-    session = cpu_session(out / "model.onnx")  # exported from the unperturbed weights
+    session = cpu_session(out / "model.onnx", threads=1)  # exported from the unperturbed weights
     # No sentence-transformers reference: check 1 is skipped, so check 2 alone must catch it.
     report = run_parity(perturbed, session, tokenizer, checkpoint.directory, None, reference=False)
     assert report.passed is False
@@ -267,7 +306,8 @@ def test_parity_gate_fails_an_encoder_that_sentence_transformers_disagrees_with(
     with torch.no_grad():
         for param in perturbed.layers[2].parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
-    report = run_parity(perturbed, cpu_session(out / "model.onnx"), tokenizer, checkpoint.directory, None)
+    session = cpu_session(out / "model.onnx", threads=1)
+    report = run_parity(perturbed, session, tokenizer, checkpoint.directory, None)
     first = next(c for c in report.checks if c.name == "1 pytorch vs sentence-transformers")
     assert not first.passed, first.figures
     assert first.figures["max_abs_diff"] > MAX_ABS_DIFF or first.figures["min_cosine"] < MIN_COSINE
@@ -326,7 +366,7 @@ def test_parity_gate_checks_the_pooled_output_that_normalize_false_returns(
     out, _ = exported
     encoder, _ = encoder_and_checkpoint
     rows = tokenizer.encode(SENTENCES).ids
-    session = cpu_session(out / "model.onnx")
+    session = cpu_session(out / "model.onnx", threads=1)
     embeddings = length_sorted(onnx_embedder(session))(rows)
     reference = length_sorted(torch_embedder(encoder, pooled=True))(rows)
     _, pooled = onnx_outputs(session, rows)
@@ -583,13 +623,14 @@ def test_built_int8_graph_sums_exactly_on_this_cpu_even_at_extreme_activations(m
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, err_msg=node.name)
 
 
-def test_a_checkpoint_that_does_not_normalise_exports(tmp_path):
+def test_a_checkpoint_that_does_not_normalise_exports(tmp_path, capfd, monkeypatch):
     """A sentence-transformers checkpoint without a Normalize module (modules.json lists only the
     Transformer and Pooling, as for a plain BERT) returns raw pooled vectors: the graph's `embeddings`
     are still their normalisation, and the gate compares it with that, not with the raw vectors."""
     ckpt = tiny_checkpoint(tmp_path / "ckpt", "plain-bert", normalize=False)
-    result = run_export("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
-    assert result.returncode == 0, result.stdout + result.stderr
+    args = ("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
+    status, stdout, stderr = export_here(capfd, monkeypatch, *args)
+    assert status == 0, stdout + stderr
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["normalize"] is False
 
 
@@ -646,7 +687,9 @@ def test_ctrl_c_removes_the_staging_directory_and_says_out_is_unchanged(tmp_path
     assert (out / "manifest.json").read_text() == "the previous repository"
 
 
-def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other(tmp_path):
+def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other(
+    tmp_path, capfd, monkeypatch
+):
     out = tmp_path / "out"
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     process = export_process(ckpt, out)
@@ -659,9 +702,11 @@ def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other
     mine = tmp_path / ".out.mynotes1"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    process = export_process(ckpt, out)
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
+    # The next export: in this process (the marker's lock died with the killed one's).
+    status, _, stderr = export_here(
+        capfd, monkeypatch, "--weights", str(ckpt), "--out", str(out), "--no-int8"
+    )
+    assert status == 0, stderr
     assert not left.exists()
     killed_line = f"export: removed {left}, the staging directory of an export that was killed"
     assert f"{killed_line} (host {socket.gethostname()}, pid {killed})" in stderr
@@ -767,21 +812,30 @@ def test_ctrl_c_around_the_swap_reports_what_out_holds(tmp_path, capsys, monkeyp
 
 def test_exporting_a_trained_checkpoint_prints_no_load_report_for_the_unused_pooler(tmp_path):
     """Training saves no pooler (mean pooling never uses it): the reference model is built without
-    one, so transformers has no missing weights to report; nothing else is left to the defaults."""
-    process = export_process(tiny_checkpoint(tmp_path / "ckpt"), tmp_path / "out")
-    _, stderr = process.communicate(timeout=300)
+    one, so transformers has no missing weights to report; nothing else is left to the defaults.
+    The CLI in its own process, as a user starts it (what transformers logs is that process's), run to
+    its end: the one such export here, so it also shows the process writes a complete repository."""
+    out = tmp_path / "out"
+    process = export_process(tiny_checkpoint(tmp_path / "ckpt"), out)
+    stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     assert "LOAD REPORT" not in stderr and "pooler" not in stderr, stderr
     assert "export: note:" not in stderr
+    assert "Traceback" not in stderr
+    assert stdout.rstrip().endswith(f"export: wrote {out} (parity passed)")
+    assert {p.name for p in out.iterdir()} == REPOSITORY_FILES
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # the staging directory is gone
 
 
-def test_a_checkpoint_without_its_sentence_transformers_files_exports_saying_which_defaults_it_took(tmp_path):
+def test_a_checkpoint_without_its_sentence_transformers_files_exports_saying_which_defaults_it_took(
+    tmp_path, capfd, monkeypatch
+):
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     for name in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json"):
         (ckpt / name).unlink()
-    process = export_process(ckpt, tmp_path / "out")
-    _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr
+    args = ("--weights", str(ckpt), "--out", str(tmp_path / "out"), "--no-int8")
+    status, _, stderr = export_here(capfd, monkeypatch, *args)
+    assert status == 0, stderr
     notes = [line for line in stderr.splitlines() if line.startswith("export: note:")]
     assert notes == [
         f"export: note: {ckpt / 'modules.json'} is missing: took sentence-transformers' default, "
