@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -152,29 +153,6 @@ def test_an_existing_output_is_kept_unless_resumed(server, tmp_path):
     assert out.read_bytes() == b"precious"
 
 
-def test_refusals_from_a_full_queue_are_retried_until_every_row_is_written(tmp_path):
-    lines = corpus(400)
-    path = tmp_path / "in.txt"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = tmp_path / "v.npy"
-    # 16 requests of 4 inputs in flight against a queue of 8: most are refused at first.
-    with serving("--queue-limit", "8") as server:
-        done = embed_file(server, str(path), "--out", str(out), "--batch-size", "4", "--concurrency", "16")
-        assert server.metrics_port is not None
-        refused = sum(
-            s.value for s in samples(scrape(server.metrics_port)) if s.name == "embed_requests_refused_total"
-        )
-        with EmbeddingClient(server.address, timeout=60) as c:
-            want = alone(c, lines[:50])
-    assert done.returncode == 0, done.stderr
-    assert refused > 0
-    retried = int(re.search(r"(\d+) refusals? retried", done.stderr)[1])
-    assert retried == refused  # every refusal the server counted was sent again
-    vectors = np.load(out)
-    assert vectors.shape == (len(lines), 384)
-    assert_close(vectors[:50], want)
-
-
 def refused_at_the_bulk_share(server: ServerProcess) -> float:
     assert server.metrics_port is not None
     counted = samples(scrape(server.metrics_port))
@@ -225,7 +203,8 @@ def load(out: Path) -> tuple[list, np.ndarray]:
 
 @pytest.mark.parametrize("suffix", [".npy", ".jsonl"])
 def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(server, tmp_path, suffix):
-    lines = corpus(1200)
+    # Killed once 100 rows are on disk: 300 more are left to write after the kill, and to resume.
+    lines = corpus(400)
     path = tmp_path / "in.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     whole, resumed = tmp_path / f"whole{suffix}", tmp_path / f"resumed{suffix}"
@@ -286,15 +265,15 @@ def test_a_job_sizes_its_requests_and_answers_to_a_lowered_message_limit(tmp_pat
     path.write_text("\n".join(lines) + "\n" + "x" * 70_000 + "\n", encoding="utf-8")
     with serving("--max-message-bytes", "65536") as small:
         done = embed_file(small, str(path), "--out", str(out), "--batch-size", "256")
+        assert done.returncode == 2, done.stderr
+        assert "in.txt:101: 70000 bytes of UTF-8, more than one request can carry" in done.stderr, done.stderr
+        assert "max_message_bytes=65536" in done.stderr
+        assert "holds the 100 whole rows" in done.stderr
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        resumed = embed_file(small, str(path), "--out", str(out), "--resume")
+        assert resumed.returncode == 0, resumed.stderr
         with EmbeddingClient(small.address, timeout=60) as c:
             want = alone(c, lines[-3:])
-    assert done.returncode == 2, done.stderr
-    assert "in.txt:101: 70000 bytes of UTF-8, more than one request can carry" in done.stderr, done.stderr
-    assert "max_message_bytes=65536" in done.stderr
-    assert "holds the 100 whole rows" in done.stderr
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with serving("--max-message-bytes", "65536") as small:
-        assert embed_file(small, str(path), "--out", str(out), "--resume").returncode == 0
     assert_close(np.load(out)[-3:], want)
 
 
@@ -531,9 +510,9 @@ def test_chunks_stop_at_the_byte_budget_as_well_as_the_count():
 
 
 def test_a_file_of_long_texts_fits_the_servers_message_limit(server, client, tmp_path):
-    """32 texts of 100 kB would be a 3.2 MB request, over the server's 2 MiB default: the job splits
-    by bytes and every row is written."""
-    texts = [f"{i} " + SHORT[i % len(SHORT)] * (100_000 // len(SHORT[i % len(SHORT)])) for i in range(40)]
+    """24 texts of 100 kB would be a 2.4 MB request (the default batch is 32), over the server's 2 MiB
+    default: the job splits by bytes and every row is written."""
+    texts = [f"{i} " + SHORT[i % len(SHORT)] * (100_000 // len(SHORT[i % len(SHORT)])) for i in range(24)]
     texts = [t[:100_000] for t in texts]
     path = tmp_path / "long.txt"
     path.write_text("\n".join(texts) + "\n", encoding="utf-8")
@@ -599,17 +578,51 @@ def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp
     assert_close(np.load(out)[-3:], alone(client, lines[-3:]))
 
 
-def test_a_batch_size_over_the_servers_queue_limit_is_capped_to_it(tmp_path):
+@pytest.fixture(scope="module")
+def queue_of_16() -> Iterator[ServerProcess]:
+    """A server whose queue holds 16 inputs, for the two tests of a full queue below: one start for both,
+    after the tests that start servers of their own, so that no more than two servers run at once."""
+    with serving("--queue-limit", "16") as server:
+        yield server
+
+
+def refused_so_far(server: ServerProcess) -> float:
+    assert server.metrics_port is not None
+    counted = samples(scrape(server.metrics_port))
+    return sum(s.value for s in counted if s.name == "embed_requests_refused_total")
+
+
+def test_refusals_from_a_full_queue_are_retried_until_every_row_is_written(queue_of_16, tmp_path):
+    lines = corpus(160)
+    path = tmp_path / "in.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "v.npy"
+    # 16 requests of 4 inputs in flight against a queue of 16 (bulk requests are admitted only while
+    # fewer than 8 wait): most are refused at first.
+    before = refused_so_far(queue_of_16)
+    done = embed_file(queue_of_16, str(path), "--out", str(out), "--batch-size", "4", "--concurrency", "16")
+    refused = refused_so_far(queue_of_16) - before  # this job's: the server is the module's
+    with EmbeddingClient(queue_of_16.address, timeout=60) as c:
+        want = alone(c, lines[:50])
+    assert done.returncode == 0, done.stderr
+    assert refused > 0
+    retried = int(re.search(r"(\d+) refusals? retried", done.stderr)[1])
+    assert retried == refused  # every refusal the server counted was sent again
+    vectors = np.load(out)
+    assert vectors.shape == (len(lines), 384)
+    assert_close(vectors[:50], want)
+
+
+def test_a_batch_size_over_the_servers_queue_limit_is_capped_to_it(queue_of_16, tmp_path):
     """A request larger than --queue-limit is refused OVER_QUEUE_LIMIT however long it waits: a job
     of the default 32 texts a request against a queue of 16 ended at once, with no row."""
     lines = corpus(40)
     path = tmp_path / "in.txt"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "v.npy"
-    with serving("--queue-limit", "16") as small:
-        done = embed_file(small, str(path), "--out", str(out))
-        with EmbeddingClient(small.address, timeout=60) as c:
-            want = alone(c, lines)  # a request of 40 would be refused by this queue too
+    done = embed_file(queue_of_16, str(path), "--out", str(out))
+    with EmbeddingClient(queue_of_16.address, timeout=60) as c:
+        want = alone(c, lines)  # a request of 40 would be refused by this queue too
     assert done.returncode == 0, done.stderr
     assert_close(np.load(out), want)
 

@@ -40,10 +40,16 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def converted(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def conversion(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """The built repository's fp32 graph converted once (2 CPU-s): the file, and convert_fp16's figures."""
     out = tmp_path_factory.mktemp("fp16") / FP16_FILE
-    fp16.convert_fp16(model_dir / FP32_FILE, out, read_manifest(model_dir).config.num_heads)
-    return out
+    figures = fp16.convert_fp16(model_dir / FP32_FILE, out, read_manifest(model_dir).config.num_heads)
+    return out, figures
+
+
+@pytest.fixture(scope="module")
+def converted(conversion: tuple[Path, dict[str, int]]) -> Path:
+    return conversion[0]
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -125,7 +131,26 @@ def repo_copy(model_dir: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_add_fp16_lists_the_gated_graph_first_for_cuda_and_leaves_the_cpu_graphs(repo_copy, monkeypatch):
+@pytest.fixture
+def converted_once(conversion, repo_copy, model_dir, monkeypatch) -> None:
+    """add_fp16 on `repo_copy` converts its fp32 graph, a copy of the one `conversion` converted: that
+    conversion's file is copied into place instead of converting again (convert_fp16 is deterministic:
+    the same bytes). Its arguments are checked as convert_fp16 would be called."""
+    path, figures = conversion
+
+    def convert(fp32: Path, out: Path, num_heads: int, key_mask: object = "lengths") -> dict[str, int]:
+        assert (fp32, out, key_mask) == (repo_copy / FP32_FILE, repo_copy / FP16_FILE, "lengths")
+        assert num_heads == read_manifest(model_dir).config.num_heads
+        assert fp32.read_bytes() == (model_dir / FP32_FILE).read_bytes()
+        shutil.copyfile(path, out)
+        return dict(figures)
+
+    monkeypatch.setattr(fp16, "convert_fp16", convert)
+
+
+def test_add_fp16_lists_the_gated_graph_first_for_cuda_and_leaves_the_cpu_graphs(
+    repo_copy, converted_once, monkeypatch
+):
     monkeypatch.setattr(fp16, "cuda_session", lambda path: cpu_session(path))
     before = read_manifest(repo_copy)
     fp16.add_fp16(repo_copy, data_dir=None)
@@ -141,7 +166,7 @@ def test_add_fp16_lists_the_gated_graph_first_for_cuda_and_leaves_the_cpu_graphs
 
 
 def test_a_failed_gate_refuses_the_graph_in_one_line_and_leaves_the_repository_as_it_was(
-    repo_copy, monkeypatch
+    repo_copy, converted_once, monkeypatch
 ):
     class Skewed:
         """The fp16 graph, answering vectors rotated off fp32's."""

@@ -3,6 +3,7 @@ resumes exactly where it stopped, and bad training data is refused with one line
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import signal
@@ -53,25 +54,23 @@ def losses(checkpoint: Path) -> list[float]:
     return [entry["loss"] for entry in map(json.loads, lines) if "loss" in entry]
 
 
-def test_tiny_model_learns_and_its_checkpoint_exports_with_parity(tmp_path: Path) -> None:
+def test_tiny_model_learns_and_its_checkpoint_exports_with_parity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ckpt = tmp_path / "ckpt"
     args = [*TINY, "--pairs", str(write_pairs(tmp_path / "pairs.jsonl")), "--batch-size", "8"]
     assert train.main([*args, "--max-steps", "16", "--lr", "3e-3", "--dropout", "0", "--out", str(ckpt)]) == 0
     curve = losses(ckpt)
     assert len(curve) == 16
     assert sum(curve[-4:]) / 4 < 0.7 * sum(curve[:4]) / 4, curve
-    export = [
-        sys.executable,
-        "-m",
-        "minilm_embed.export",
-        "--weights",
-        str(ckpt),
-        "--out",
-        str(tmp_path / "onnx"),
-    ]
-    done = subprocess.run(export, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "parity passed" in done.stdout
+    capsys.readouterr()
+    # The export command's main, in this process: as a subprocess it cost ~10 CPU-s more, most of them
+    # imports (tests/test_export.py runs `python -m minilm_embed.export` as a user does).
+    export = importlib.import_module("minilm_embed.export.__main__")
+    status = export.main(["--weights", str(ckpt), "--out", str(tmp_path / "onnx")])
+    done = capsys.readouterr()
+    assert status == 0, done.out + done.err
+    assert "parity passed" in done.out
     assert (tmp_path / "onnx" / "model.onnx").is_file()
 
 
@@ -181,20 +180,18 @@ def test_a_run_killed_while_saving_keeps_the_last_whole_checkpoint(
     assert not any(p.name.startswith("ckpt.") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
 
 
-def test_a_run_stopped_between_the_renames_names_the_checkpoint_to_resume(tmp_path: Path) -> None:
+def test_a_run_stopped_between_the_renames_names_the_checkpoint_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     scored = write_scored(tmp_path / "sts.csv")
     args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--max-steps", "2"]
     assert train.main([*args, "--out", str(tmp_path / "ckpt")]) == 0
     (tmp_path / "ckpt").rename(tmp_path / "ckpt.previous")
-    done = subprocess.run(
-        [sys.executable, "-m", "minilm_embed.model.train", *args, "--resume", str(tmp_path / "ckpt")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "ckpt.previous holds the last whole checkpoint" in done.stderr, done.stderr
+    capsys.readouterr()
+    status = train.main([*args, "--resume", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "ckpt.previous holds the last whole checkpoint" in err, err
 
 
 def test_out_that_is_not_a_checkpoint_is_refused_and_kept(
