@@ -129,6 +129,27 @@ def test_only_the_engine_loads_onnx_runtime_and_info_names_the_one_it_runs(two_f
         assert c.info().versions["onnxruntime"] == onnxruntime.__version__
 
 
+def test_ps_names_each_child_by_its_process_name_and_its_command_line(two_fronts):
+    """`ps -e`, `top` and `pgrep` read /proc/PID/comm, `ps aux`, `ps -ef` and `pgrep -f` read
+    /proc/PID/cmdline (a spawned child's otherwise reads `python -B -c from multiprocessing.spawn
+    ...`). Both name the child; its environment stays readable; the supervisor keeps the command
+    line it was started with."""
+
+    def shown(pid: int) -> tuple[str, str]:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        return comm, Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode()
+
+    assert two_fronts.engine_pid is not None
+    assert shown(two_fronts.engine_pid) == ("embed-engine", "minilm-embed-serve: embed-engine")
+    fronts = [f"embed-front-{i}" for i in range(FRONTS)]
+    assert sorted(shown(pid) for pid in two_fronts.front_pids()) == [
+        (name, f"minilm-embed-serve: {name}") for name in fronts
+    ]
+    for pid in [two_fronts.engine_pid, *two_fronts.front_pids()]:
+        assert b"PATH=" in Path(f"/proc/{pid}/environ").read_bytes()
+    assert "--front-processes" in shown(two_fronts.proc.pid)[1]
+
+
 def test_a_front_that_dies_is_started_again_and_calls_go_on(two_fronts, reference):
     victim = two_fronts.front_pids()[0]
     os.kill(victim, signal.SIGKILL)
