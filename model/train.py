@@ -20,22 +20,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from minilm_embed.model.checkpoints import STATE_FILE, batch_order, restore, resumable, save
+# Only what checking the arguments, the data and --out needs is imported here: torch, which the model,
+# the loop, the checkpoints' and the weights' modules import, takes seconds to import, so each step
+# below imports what it uses when it runs. Bad flags, data and --out are refused at once; a checkpoint
+# that cannot be read (--weights, --resume) is refused once torch is loaded.
 from minilm_embed.model.config import EncoderConfig
-from minilm_embed.model.data import DataError
+from minilm_embed.model.data import DataError, ScoredPair, read_sts, sts_path
 from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
-from minilm_embed.model.encoder import Encoder
-from minilm_embed.model.evaluate import DevSet
-from minilm_embed.model.loop import Plan, Run, evaluate, fit, loss_window, make_run, mean, seed_everything
 from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
-from minilm_embed.model.weights import WeightsError, default_weights_dir, load_checkpoint, read_tokenizer
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from minilm_embed.model.encoder import Encoder
+    from minilm_embed.model.evaluate import DevSet
+    from minilm_embed.model.loop import Plan, Run
 
 DEFAULT_LR = {"default": 2e-5, "scratch": 1e-3}
 FINETUNED = "-finetuned"
+# checkpoints.STATE_FILE, named here too: --out is checked against it before torch, which that module
+# imports, is loaded (tests/test_train.py checks that the two agree).
+STATE_FILE = "training_state.pt"
+Texts = tuple[list[tuple[str, str]], list[ScoredPair]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -133,6 +141,8 @@ def scratch_config(args: argparse.Namespace, vocab_size: int) -> EncoderConfig:
 
 def init_weights(module: nn.Module) -> None:
     """BERT's initialisation: N(0, 0.02) weights, zero biases, identity LayerNorm."""
+    from torch import nn
+
     if isinstance(module, nn.Linear | nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
@@ -144,6 +154,12 @@ def init_weights(module: nn.Module) -> None:
 
 def build_model(args: argparse.Namespace) -> tuple[Encoder, Path, str]:
     """The encoder to train, the tokenizer.json it reads, and the name to save it under."""
+    from torch import nn
+
+    from minilm_embed.model.checkpoints import resumable
+    from minilm_embed.model.encoder import Encoder
+    from minilm_embed.model.weights import default_weights_dir, load_checkpoint, read_tokenizer
+
     if args.resume is not None:
         model, ckpt = load_checkpoint(resumable(args.resume))
         return model, args.resume / "tokenizer.json", ckpt.model_id
@@ -178,6 +194,7 @@ class Summary:
 
     def lines(self, out: Path) -> list[str]:
         """The report printed at the end of a run."""
+        from minilm_embed.model.loop import mean
 
         def fmt(x: float | None) -> str:
             return "n/a (no --data-dir)" if x is None else f"{x:.2f}"
@@ -195,6 +212,8 @@ class Summary:
 
 def plan(args: argparse.Namespace, data: TrainingData) -> Plan:
     """--max-steps, or --epochs passes over the data."""
+    from minilm_embed.model.loop import Plan
+
     per_epoch = len(data.batches(args.batch_size, args.seed, 0))
     total = args.max_steps if args.max_steps is not None else args.epochs * per_epoch
     return Plan(args.batch_size, args.seed, total, args.eval_every)
@@ -202,16 +221,32 @@ def plan(args: argparse.Namespace, data: TrainingData) -> Plan:
 
 def new_run(args: argparse.Namespace, model: Encoder, total: int) -> Run:
     """A run at the learning rate and warm-up asked for (or their defaults for the kind of model)."""
+    from minilm_embed.model.loop import make_run
+
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.init]
     warmup = args.warmup if args.warmup is not None else total // 10
     return make_run(model, lr, warmup, total)
 
 
+def check_inputs(args: argparse.Namespace) -> Texts:
+    """--out, the training data and the data directory's dev split checked, before torch is imported
+    (seconds) and hours of training: the training texts."""
+    check_out(args.out, STATE_FILE, "a checkpoint written by model.train")
+    texts = read_training_data(args.pairs, args.sts_train, args.data_dir)
+    if args.data_dir is not None:
+        read_sts(sts_path(args.data_dir, "dev"))  # read again once there is a tokenizer (DevSet.load)
+    return texts
+
+
 def prepare(
-    args: argparse.Namespace,
+    args: argparse.Namespace, texts: Texts
 ) -> tuple[Run, TrainingData, Plan, DevSet | None, Callable[[], None]]:
     """The run to continue (fresh or resumed), its data and plan, the dev set, and how to save it."""
-    texts = read_training_data(args.pairs, args.sts_train, args.data_dir)  # before the model: fail fast
+    from minilm_embed.model.checkpoints import batch_order, restore, save
+    from minilm_embed.model.evaluate import DevSet
+    from minilm_embed.model.loop import seed_everything
+    from minilm_embed.model.weights import read_tokenizer
+
     seed_everything(args.seed)
     model, tokenizer_file, model_id = build_model(args)
     model.train()
@@ -257,9 +292,14 @@ class Progress:
 
 def train(args: argparse.Namespace, progress: Progress | None = None) -> Summary:
     """Train as the arguments say, evaluating before and after; the checkpoint is saved at the end."""
-    check_out(args.out, STATE_FILE, "a checkpoint written by model.train")  # before hours of training
+    texts = check_inputs(args)
+    import torch
+
+    from minilm_embed.model.loop import evaluate, fit, loss_window
+
+    torch.set_num_threads(args.threads)
     progress = progress or Progress()
-    run, data, steps, dev, save_to = prepare(args)
+    run, data, steps, dev, save_to = prepare(args, texts)
     progress.run = run
     save_to = progress.saving(save_to)
     first = run.step
@@ -273,18 +313,30 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> Summary
     return Summary(first, run.step, seconds, before, after, *losses)
 
 
+def refused(e: Exception) -> bool:
+    """Whether `e` is bad input, which main reports in one line. The weights' error is looked up only
+    for an error that is none of the others: its module imports torch, which a refusal before training
+    never needs (an error of its own was raised after it was loaded)."""
+    if isinstance(e, (DataError, OutputError, OSError)):
+        return True
+    from minilm_embed.model.weights import WeightsError
+
+    return isinstance(e, WeightsError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: exit status 0, or 2 with one line naming the bad file or argument, or 130
     after Ctrl-C with one line naming the last checkpoint."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     progress = Progress()
     try:
         summary = train(args, progress)
     except KeyboardInterrupt:
         print(progress.interrupted(args.out), file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-    except (DataError, WeightsError, OutputError, OSError) as e:
+    except Exception as e:
+        if not refused(e):
+            raise  # a bug: its traceback
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines(args.out)))

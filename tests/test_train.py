@@ -152,6 +152,65 @@ def test_bad_training_data_exits_2_with_one_line_and_no_traceback(tmp_path: Path
     assert done.stdout == ""
 
 
+# main() on each argument list, in a process that has not imported torch: each status and stderr, and
+# whether torch was imported by the end.
+REFUSE = """
+import contextlib, io, json, sys
+from minilm_embed.model.train import main
+seen = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:  # argparse's refusal of a flag
+            status = e.code
+    seen.append([status, err.getvalue()])
+print(json.dumps({"seen": seen, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_bad_flags_data_and_out_are_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """A typo in a flag, a data file or --out is refused at once, not after the seconds torch takes to
+    import (~4 CPU-s): checked in a process of its own, which imports only what the refusals need."""
+    good = str(write_pairs(tmp_path / "pairs.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(GOOD_PAIR + b'{"anchor": "caf\xe9", "positive": "b"}\n')
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("keep me")
+    no_dev = tmp_path / "data"
+    (no_dev / "stsbenchmark").mkdir(parents=True)
+    (no_dev / "stsbenchmark" / "sts-train.csv").write_bytes(GOOD_ROW)
+    out = ["--out", str(tmp_path / "out")]
+    nowhere = tmp_path / "nowhere"
+    cases = [
+        (["--batch-size", "0", "--pairs", good, *out], ": error: --batch-size must be at least 1, not 0"),
+        (["--pairs", str(nowhere), *out], f"train: error: [Errno 2] No such file or directory: '{nowhere}'"),
+        (["--pairs", str(bad), *out], f"train: error: {bad}:2: not UTF-8"),
+        (["--data-dir", str(nowhere), *out], f"train: error: {nowhere}: no STS Benchmark train split"),
+        (["--pairs", good, "--data-dir", str(no_dev), *out], f"train: error: {no_dev}: no STS Benchmark dev"),
+        (["--pairs", good, "--out", str(kept)], f"train: error: --out {kept} holds files but no training_"),
+    ]
+    command = [sys.executable, "-c", REFUSE, json.dumps([argv for argv, _ in cases])]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for (argv, message), (status, err) in zip(cases, result["seen"], strict=True):
+        assert status == 2, (argv, err)
+        if message.startswith("train: "):
+            assert err.startswith(message) and err.count("\n") == 1, (argv, err)
+        else:
+            assert message in err.splitlines()[-1], (argv, err)  # argparse's: the usage, then its line
+    assert not result["torch"], "torch was imported before a refusal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "data", "mine", "pairs.jsonl"]
+    assert (kept / "notes.txt").read_text() == "keep me"
+
+
+def test_train_checks_out_against_the_state_file_that_checkpoints_write() -> None:
+    assert train.STATE_FILE == checkpoints.STATE_FILE
+
+
 def test_a_run_killed_while_saving_keeps_the_last_whole_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
