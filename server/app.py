@@ -52,7 +52,7 @@ from minilm_embed.server.config import (
     unknown_variables,
 )
 from minilm_embed.server.metrics import SupervisorMetrics
-from minilm_embed.server.place import DUMP_SIGNAL, HEARTBEAT_S, Place, reuseport_socket
+from minilm_embed.server.place import DUMP_SIGNAL, HEARTBEAT_S, Place, SharedQueue, reuseport_socket
 from minilm_embed.server.security import load_token, server_credentials
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def cuda_first(device: str) -> bool:
 def engine_process(
     config: ServerConfig,
     address: str,
-    depth: Any,
+    queue: SharedQueue,
     beat: Any,
     events: Connection,
     stop_when: Connection,
@@ -127,7 +127,7 @@ def engine_process(
     """The engine process's target: its modules (ONNX Runtime, the batcher) are imported there only."""
     from minilm_embed.server.engine import onnx_backend, run_engine
 
-    run_engine(config, address, depth, beat, events, stop_when, backend_factory or onnx_backend)
+    run_engine(config, address, queue, beat, events, stop_when, backend_factory or onnx_backend)
 
 
 def front_process(config: ServerConfig, place: Place) -> None:
@@ -276,7 +276,7 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.engine_address = f"ipc://{self.run_dir}/engine.sock"
-        self.depth = self.context.RawValue("q", 0)
+        self.queue = SharedQueue.shared(self.context)
         # Heartbeats (place.heartbeat): 0.0 until the process serves; each child gets a fresh one.
         self.engine_beat = self.context.RawValue("d", 0.0)
         self.front_beats: dict[int, Any] = {}
@@ -292,7 +292,7 @@ class Supervisor:
         args = (
             self.config,
             self.engine_address,
-            self.depth,
+            self.queue,
             self.engine_beat,
             send,
             stop_when,
@@ -313,7 +313,7 @@ class Supervisor:
             self.http_address,
             self.engine_address,
             self.engine.pid,
-            self.depth,
+            self.queue,
             send,
             beat,
         )

@@ -67,20 +67,43 @@ class BatchLimits:
 BULK_SETTING = "bulk_queue_share"
 
 
-def check_capacity(waiting: int, count: int, queue_limit: int, bulk_share: float | None = None) -> None:
+# A full queue's refusal asks its caller to try again once the inputs waiting have been computed, at
+# the engine's recent pace, within these bounds: sooner, a flood of retries would cost the fronts
+# more than it gives; later, a caller would sit out a busy spell long past.
+RETRY_AFTER_BOUNDS_S = (0.1, 30.0)
+# Each batch's weight in the pace, against the batches before it (weighted by inputs): about the
+# last 10 batches count.
+PACE_DECAY = 0.9
+
+
+def retry_after(waiting: int, s_per_input: float) -> float | None:
+    """Seconds until the `waiting` inputs are computed at `s_per_input` (None: no pace measured yet)."""
+    if s_per_input <= 0:
+        return None
+    low, high = RETRY_AFTER_BOUNDS_S
+    return min(high, max(low, waiting * s_per_input))
+
+
+def check_capacity(
+    waiting: int, count: int, queue_limit: int, bulk_share: float | None = None, s_per_input: float = 0.0
+) -> None:
     """The admission rule, used by the fronts (before tokenizing) and by the engine (on arrival).
 
     `bulk_share`, for a bulk request: it is admitted only while fewer than queue_limit x bulk_share
     inputs wait. The share bounds where bulk work may start, not where it ends, so a bulk request as
     large as any other fits an empty queue (a job sizes its requests by max_inputs_per_request, not
     by the share) and interactive requests keep the queue's other share but one request.
+    `s_per_input`: the engine's recent seconds of compute per input, from which a refusal says when
+    to try again.
     """
+    retry_after_s = retry_after(waiting, s_per_input)
     if bulk_share is not None and waiting >= queue_limit * bulk_share:
         raise Overloaded(
             f"queue full for bulk requests: {waiting} inputs waiting, and bulk requests are admitted "
             f"only below {queue_limit * bulk_share:g} ({BULK_SETTING} {bulk_share:g} of the queue_limit "
             f"of {queue_limit}); retry with backoff",
             "QUEUE_FULL",
+            retry_after_s=retry_after_s,
             setting=BULK_SETTING,
             limit=bulk_share,
             value=waiting,
@@ -99,6 +122,7 @@ def check_capacity(waiting: int, count: int, queue_limit: int, bulk_share: float
         raise Overloaded(
             f"queue full: {waiting} inputs waiting, queue_limit is {queue_limit}; retry with backoff",
             "QUEUE_FULL",
+            retry_after_s=retry_after_s,
             setting="queue_limit",
             limit=queue_limit,
             value=waiting,
@@ -292,6 +316,7 @@ class Batcher:
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
     on_depth: Callable[[int], None] = lambda depth: None  # told the queue depth whenever it changes
+    on_pace: Callable[[float], None] = lambda s_per_input: None  # told `s_per_input` after each batch
     # Interactive inputs first, then bulk ones, each oldest first. A list, not a deque: a batch reads
     # and rewrites the window at its head by slicing, and an interactive request is inserted ahead of
     # the bulk inputs (a memmove of at most queue_limit pointers).
@@ -311,6 +336,9 @@ class Batcher:
     # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
     # cancel while every instance computes, for one).
     _dead: int = 0
+    # Compute seconds and inputs of the batches run, each sum decayed by PACE_DECAY a batch.
+    _paced_s: float = 0.0
+    _paced_inputs: float = 0.0
 
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
@@ -336,11 +364,18 @@ class Batcher:
     def depth(self) -> int:
         return self._waiting
 
+    @property
+    def s_per_input(self) -> float:
+        """The recent seconds of compute an input takes, the workers running side by side (0.0 until
+        a batch has run). Weighted by inputs: under load, full batches set it, not a lone input's
+        latency."""
+        return self._paced_s / self._paced_inputs / self.workers if self._paced_inputs else 0.0
+
     def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
         share = self.limits.bulk_queue_share if bulk else None
         try:
-            check_capacity(self._waiting, count, self.limits.queue_limit, share)
+            check_capacity(self._waiting, count, self.limits.queue_limit, share, self.s_per_input)
         except Overloaded as e:
             self.metrics.refusals.labels(refusal_label(e)).inc()
             raise
@@ -599,6 +634,9 @@ class Batcher:
         m.tokens.inc(real)
         m.inputs.inc(len(batch))
         m.model_run_duration.observe(run_s)
+        self._paced_s = PACE_DECAY * self._paced_s + run_s
+        self._paced_inputs = PACE_DECAY * self._paced_inputs + len(batch)
+        self.on_pace(self.s_per_input)
 
 
 def _tags(batch: list[Entry]) -> list[str]:

@@ -13,7 +13,7 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from minilm_embed.server.errors import ERROR_DOMAIN, RETRY_AFTER_S, ServiceError
+from minilm_embed.server.errors import ERROR_DOMAIN, ServiceError, retry_after_ms
 
 Trailing = tuple[tuple[str, str | bytes], ...]
 
@@ -33,6 +33,7 @@ def details(error: ServiceError) -> Trailing:
         )
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
     if error.code in RETRYABLE:
-        delay = duration_pb2.Duration(seconds=RETRY_AFTER_S)
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(retry_after_ms(error))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
     return tuple(rpc_status.to_status(status).trailing_metadata)

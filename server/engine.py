@@ -32,7 +32,7 @@ from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Request, Row
 from minilm_embed.server.config import ServerConfig, batch_limits_for
 from minilm_embed.server.errors import ServiceError, internal
 from minilm_embed.server.metrics import Metrics
-from minilm_embed.server.place import dump_stacks_on_signal, heartbeat
+from minilm_embed.server.place import SharedQueue, dump_stacks_on_signal, heartbeat
 from minilm_embed.server.proctitle import name_process
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,8 @@ class Engine:
     repo: ModelRepository
     backend: Backend
     metrics: Metrics
-    on_depth: Callable[[int], None] = lambda depth: None
+    # Published for the fronts (in process, a queue of its own nobody reads).
+    queue: SharedQueue = field(default_factory=lambda: SharedQueue([0.0, 0.0]))
     facts: protocol.EngineFacts | None = None
     _waiting: list[bytes] = field(default_factory=list)  # fronts that said HELLO before the warm-up ended
     _requests: dict[tuple[bytes, int], Request] = field(default_factory=dict)
@@ -148,7 +149,8 @@ class Engine:
             batch_limits(self.config),
             self.metrics,
             workers=self.backend.instances,
-            on_depth=self.on_depth,
+            on_depth=self.queue.publish_depth,
+            on_pace=self.queue.publish_pace,
         )
 
     async def serve(
@@ -267,9 +269,8 @@ class Engine:
 
 
 def _failure(request_id: int, error: ServiceError) -> list[bytes]:
-    return protocol.failure(
-        request_id, error.code.value[0], str(error), error.reason, error.field, error.metadata
-    )
+    code, retry = error.code.value[0], error.retry_after_s
+    return protocol.failure(request_id, code, str(error), error.reason, error.field, error.metadata, retry)
 
 
 def _answer(message: protocol.Submit, future: asyncio.Future[Done]) -> list[Any]:
@@ -285,7 +286,7 @@ def _answer(message: protocol.Submit, future: asyncio.Future[Done]) -> list[Any]
 
 
 def create_engine(
-    config: ServerConfig, backend_factory: BackendFactory, metrics: Metrics, on_depth: Callable[[int], None]
+    config: ServerConfig, backend_factory: BackendFactory, metrics: Metrics, queue: SharedQueue
 ) -> Engine:
     """Load and verify the model repository and the backend (errors: ModelRepositoryError, ValueError)."""
     repo = open_repository(config.model_dir)
@@ -299,13 +300,13 @@ def create_engine(
     m = repo.manifest
     metrics.model.labels(m.model_id, m.weights_sha256, backend.precision, backend.provider).set(1)
     metrics.load_seconds.set(backend.load_seconds)
-    return Engine(config, repo, backend, metrics, on_depth)
+    return Engine(config, repo, backend, metrics, queue)
 
 
 def run_engine(
     config: ServerConfig,
     address: str,
-    depth: Any,
+    queue: SharedQueue,
     beat: Any,
     events: Connection,
     stop_when: Connection,
@@ -324,11 +325,8 @@ def run_engine(
     logs.configure(config.log_level, config.log_format)  # a spawned process starts unconfigured
     dump_stacks_on_signal()
 
-    def publish_depth(value: int) -> None:
-        depth.value = value
-
     try:
-        engine = create_engine(config, backend_factory, Metrics(), publish_depth)
+        engine = create_engine(config, backend_factory, Metrics(), queue)
     except Exception as e:  # reported by the supervisor as one line, exit 2
         events.send(("error", str(e)))
         raise SystemExit(2) from None

@@ -20,26 +20,46 @@ ServiceError
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 # google.rpc.ErrorInfo's domain: the service whose reasons these are.
 ERROR_DOMAIN = "minilm-embed"
-# How long a refused caller is asked to wait before trying again: HTTP's Retry-After, gRPC's RetryInfo.
-RETRY_AFTER_S = 1
+# How long a refused caller is asked to wait before trying again (HTTP's Retry-After, gRPC's
+# RetryInfo) where the server has no better figure: a full queue's refusal says how long its inputs
+# take to compute (batcher.retry_after).
+RETRY_AFTER_S = 1.0
 
 
 class ServiceError(Exception):
     code = grpc.StatusCode.UNKNOWN
     reason = "UNKNOWN"  # each class's default; a raise names a more precise one where it has one
 
-    def __init__(self, message: str, reason: str = "", field: str = "", **metadata: object) -> None:
+    def __init__(
+        self,
+        message: str,
+        reason: str = "",
+        field: str = "",
+        *,
+        retry_after_s: float | None = None,
+        **metadata: object,
+    ) -> None:
         """`field`: the request field at fault, as a path into the gRPC request (`texts[3]`);
+        `retry_after_s`: when a retry may succeed, where the server can tell (else RETRY_AFTER_S);
         `metadata`: lowerCamelCase keys (google.rpc.ErrorInfo's convention), values made strings."""
         super().__init__(message)
         if reason:
             self.reason = reason
         self.field = field
+        self.retry_after_s = RETRY_AFTER_S if retry_after_s is None else retry_after_s
         self.metadata = {key: str(value) for key, value in metadata.items()}
+
+
+def retry_after_ms(error: ServiceError) -> int:
+    """The error's retry delay in whole milliseconds (at least 1): RetryInfo's, and the retry-after-ms
+    header OpenAI's client reads."""
+    return max(1, math.ceil(error.retry_after_s * 1000))
 
 
 class InvalidInput(ServiceError):

@@ -48,7 +48,7 @@ from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
-from minilm_embed.server.place import Place, dump_stacks_on_signal, heartbeat, reuseport_socket
+from minilm_embed.server.place import Place, SharedQueue, dump_stacks_on_signal, heartbeat, reuseport_socket
 from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
 from minilm_embed.server.security import BearerAuth, load_token, server_credentials
@@ -200,7 +200,7 @@ def create_front(
     index: int,
     address: str,
     engine_address: str,
-    depth: Any,
+    queue: SharedQueue,
     http_address: str = "",
     tracer: RequestTracer | None = None,
 ) -> Front:
@@ -217,7 +217,7 @@ def create_front(
         manifest.config.hidden_size,
         config.queue_limit,
         config.bulk_queue_share,
-        depth,
+        queue,
         metrics,
     )
     health = new_health()
@@ -449,7 +449,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
     index = place.index
     tracer = start_tracing(config)
     front = create_front(
-        config, index, place.address, place.engine_address, place.depth, place.http_address, tracer
+        config, index, place.address, place.engine_address, place.queue, place.http_address, tracer
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

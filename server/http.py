@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import reprlib
 import socket
 import ssl
@@ -57,6 +58,7 @@ from minilm_embed.server.errors import (
     TooLarge,
     Unauthenticated,
     internal,
+    retry_after_ms,
 )
 from minilm_embed.server.metrics import HTTP_EMBEDDINGS, HTTP_MODELS, Metrics, size_class
 from minilm_embed.server.security import bearer_matches
@@ -152,13 +154,17 @@ def status_of(error: ServiceError) -> tuple[int, str]:
     return next(STATUS[cls] for cls in type(error).__mro__ if cls in STATUS)
 
 
-# Headers a refusal carries: when to try again (a full queue, a replica warming up or draining), and
-# how to authenticate (RFC 6750).
-HEADERS: dict[int, dict[str, str]] = {
-    401: {"WWW-Authenticate": "Bearer"},
-    429: {"Retry-After": str(RETRY_AFTER_S)},
-    503: {"Retry-After": str(RETRY_AFTER_S)},
-}
+# Refusals after which trying again helps (a full queue, a replica warming up or draining): they say
+# when, as RetryInfo does on gRPC.
+RETRYABLE = {429, 503}
+
+
+def retry_headers(error: ServiceError) -> dict[str, str]:
+    """When to try again: Retry-After in whole seconds (RFC 9110, so at least 1 here), and
+    retry-after-ms, which OpenAI's clients read first and honour up to 60 s (a full queue on a fast
+    engine drains in well under a second)."""
+    ms = retry_after_ms(error)
+    return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
 
 
 def error_response(error: ServiceError) -> Response:
@@ -166,7 +172,10 @@ def error_response(error: ServiceError) -> Response:
     param = error.param if isinstance(error, InvalidField) else None
     body = {"message": str(error), "type": kind, "param": param, "code": error.reason.lower()}
     response = json_response({"error": body}, status)
-    response.headers.update(HEADERS.get(status, {}))
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750
+    elif status in RETRYABLE:
+        response.headers.update(retry_headers(error))
     return response
 
 
@@ -774,7 +783,8 @@ class BoundedH11(H11Protocol):
         headers were not read) and, for 429, Retry-After."""
         error = {"message": message, "type": kind, "param": None, "code": code.lower()}
         body = orjson.dumps({"error": error})
-        retry = f"retry-after: {RETRY_AFTER_S}\r\n" if status == 429 else ""
+        waits = f"retry-after: {math.ceil(RETRY_AFTER_S)}\r\nretry-after-ms: {RETRY_AFTER_S * 1000:.0f}\r\n"
+        retry = waits if status == 429 else ""
         head = (
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n{logs.REQUEST_ID_HEADER}: {logs.new_request_id()}\r\n"

@@ -19,6 +19,34 @@ from minilm_embed.server.config import listen_address
 
 
 @dataclass(frozen=True)
+class SharedQueue:
+    """The engine's queue as every front reads it, in shared memory only the engine writes: how many
+    inputs wait, and the recent seconds of compute per input (0.0 until a batch has run), from which
+    a full queue's refusal says when to try again. Read without a lock: each is one aligned 8-byte
+    value, and a front reading one a batch stale only refuses or admits a request a moment early."""
+
+    values: Any  # 2 floats: the supervisor's multiprocessing RawArray("d", 2), a list in process
+
+    @classmethod
+    def shared(cls, context: Any) -> SharedQueue:
+        return cls(context.RawArray("d", 2))
+
+    @property
+    def depth(self) -> int:
+        return int(self.values[0])
+
+    @property
+    def s_per_input(self) -> float:
+        return float(self.values[1])
+
+    def publish_depth(self, depth: int) -> None:
+        self.values[0] = depth
+
+    def publish_pace(self, s_per_input: float) -> None:
+        self.values[1] = s_per_input
+
+
+@dataclass(frozen=True)
 class Place:
     """Where a front process stands: its index, the address it serves, the engine it talks to."""
 
@@ -27,7 +55,7 @@ class Place:
     http_address: str  # "" when HTTP is off
     engine_address: str
     engine_pid: int
-    depth: Any  # the engine's published queue depth (a shared value)
+    queue: SharedQueue  # the engine's, as it publishes it
     events: Connection  # to the supervisor
     beat: Any  # this front's heartbeat (a shared value: see heartbeat)
 

@@ -10,13 +10,16 @@ byte is the kind; arrays follow as raw little-endian frames (no per-input object
     engine -> front  READY    header, JSON of the engine's facts (provider, precision, instances...)
     engine -> front  RESULT   header(request id, status, queue us, inference us), vectors float32 (n, D)
                               or, for a status other than OK, the error message in UTF-8 and JSON of
-                              the error's reason, field and metadata (server/errors.py)
+                              the error's reason, field, metadata and retry delay (server/errors.py)
 
 The engine's ROUTER socket adds the front's identity in front of these frames; fronts use DEALER
 sockets. Deadlines are `time.monotonic()` values: CLOCK_MONOTONIC is one clock for every process on
 the machine. Status values are gRPC status code numbers (0 is OK). A request id is the front's own
 number for the call; its tag is the caller's `x-request-id` (server/logs.py), carried only so that the
 engine's log lines about the request name it.
+
+Besides the messages, the engine publishes its queue in shared memory (place.SharedQueue), which the
+fronts read to refuse overload before they tokenize.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class Result:
     reason: str = ""
     field: str = ""
     metadata: dict[str, str] | None = None
+    retry_after_s: float | None = None
 
 
 def kind(frames: list[bytes]) -> bytes:
@@ -158,9 +162,12 @@ def failure(
     reason: str,
     field: str = "",
     metadata: dict[str, str] | None = None,
+    retry_after_s: float | None = None,
 ) -> list[bytes]:
     assert status != OK
-    about = json.dumps({"reason": reason, "field": field, "metadata": metadata or {}})
+    about = json.dumps(
+        {"reason": reason, "field": field, "metadata": metadata or {}, "retry_after_s": retry_after_s}
+    )
     return [_RESULT.pack(RESULT, request_id, status, 0, 0), message.encode(), about.encode()]
 
 
@@ -170,7 +177,16 @@ def parse_result(frames: list[bytes], dimensions: int) -> Result:
         about = json.loads(frames[2])
         message = bytes(frames[1]).decode()
         return Result(
-            request_id, status, 0, 0, None, message, about["reason"], about["field"], about["metadata"]
+            request_id,
+            status,
+            0,
+            0,
+            None,
+            message,
+            about["reason"],
+            about["field"],
+            about["metadata"],
+            about["retry_after_s"],
         )
     vectors = np.frombuffer(frames[1], dtype=np.float32).reshape(-1, dimensions)
     return Result(request_id, status, queue_us, inference_us, vectors)

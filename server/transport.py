@@ -21,6 +21,7 @@ import zmq
 from minilm_embed.server import protocol
 from minilm_embed.server.batcher import check_capacity, refusal_label
 from minilm_embed.server.errors import NotReady, Overloaded, ServiceError
+from minilm_embed.server.place import SharedQueue
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def error_for(result: protocol.Result) -> ServiceError:
     """The ServiceError a failed RESULT stands for: its gRPC status number's class, its message,
     reason, field and metadata."""
     cls = _ERRORS.get(result.status, ServiceError)
-    error = cls(result.message, result.reason, result.field, **(result.metadata or {}))
+    metadata = result.metadata or {}
+    error = cls(result.message, result.reason, result.field, retry_after_s=result.retry_after_s, **metadata)
     if cls is ServiceError:
         error.code = next(c for c in grpc.StatusCode if c.value[0] == result.status)
     return error
@@ -53,7 +55,7 @@ class EngineClient:
     dimensions: int
     queue_limit: int
     bulk_queue_share: float
-    depth: Any  # shared value: the engine's queue depth, read for admission before tokenizing
+    queue: SharedQueue  # the engine's, read for admission before tokenizing
     metrics: Any
     gone: str = ""  # why the engine can no longer answer, once it cannot
     gone_reason: str = ""  # the same as an error reason (server/errors.py)
@@ -78,7 +80,8 @@ class EngineClient:
         """Admission before tokenizing, against the engine's published queue depth."""
         share = self.bulk_queue_share if bulk else None
         try:
-            check_capacity(int(self.depth.value), count, self.queue_limit, share)
+            queue = self.queue
+            check_capacity(queue.depth, count, self.queue_limit, share, queue.s_per_input)
         except Overloaded as e:
             self.metrics.refusals.labels(refusal_label(e)).inc()
             raise

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch
+from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch, retry_after
 from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
 from tests.server_process import wait_until
@@ -268,6 +268,65 @@ def test_full_queue_refuses_at_once():
     assert first_ids(queued) == [2, 3, 4]
     assert 5 not in model.first_ids_seen()
     assert sample(batcher, "embed_queue_depth") == 0
+
+
+@pytest.mark.parametrize(
+    ("waiting", "s_per_input", "delay"),
+    [(8, 0.0, None), (8, 0.025, 0.2), (8, 0.001, 0.1), (2_000, 0.05, 30.0)],
+)
+def test_a_retry_delay_is_the_queues_compute_time_within_bounds(waiting, s_per_input, delay):
+    """No pace measured yet: no figure (the caller is told RETRY_AFTER_S, 1 s). Else the time the
+    inputs waiting take, at least 0.1 s (a flood of retries costs the fronts) and at most 30 s."""
+    assert retry_after(waiting, s_per_input) == pytest.approx(delay)
+
+
+class PacedModel(FakeModel):
+    """A fake model that takes `row_s` a row, like a real one taking time per input."""
+
+    def __init__(self, row_s: float) -> None:
+        super().__init__()
+        self.row_s = row_s
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        answer = super().run(ids, lengths)  # seen by the test as it begins
+        time.sleep(self.row_s * len(ids))
+        return answer
+
+
+def test_a_full_queue_says_to_retry_about_when_its_inputs_will_have_been_taken():
+    """RetryInfo and Retry-After said 1 s whatever the queue: OpenAI's client, which waits what it is
+    told, left a queue that drains in 0.2 s idle for the rest of the second. The delay is now the time
+    the inputs waiting take at the pace of the recent batches, two workers side by side."""
+    model = PacedModel(row_s=0.05)
+    batcher = new_batcher(model, max_batch_size=4, queue_limit=8, workers=2)
+
+    async def scenario() -> tuple[float, Overloaded, float, float]:
+        batcher.start()
+        try:
+            assert batcher.s_per_input == 0.0  # nothing run yet
+            for _ in range(3):  # two at a time: the queue holds 8 inputs
+                await asyncio.gather(*(submit(batcher, [[i, 5]] * 4) for i in range(2)))
+            pace = batcher.s_per_input  # 4 rows of 0.05 s a batch, two batches at once
+            running = [asyncio.create_task(submit(batcher, [[i, 5]] * 4)) for i in (1, 2)]
+            await wait_until(lambda: len(model.batches) == 8)  # both workers busy with them
+            queued = [asyncio.create_task(submit(batcher, [[i, 5]] * 4)) for i in (3, 4)]
+            await wait_until(lambda: batcher.depth == 8)
+            with pytest.raises(Overloaded) as refused:
+                await submit(batcher, [[5, 5]])
+            hint_pace, full_at = batcher.s_per_input, time.monotonic()
+            await wait_until(lambda: batcher.depth == 0)  # room again: every queued input taken
+            room_after = time.monotonic() - full_at
+            await asyncio.gather(*running, *queued)
+            return pace, refused.value, hint_pace, room_after
+        finally:
+            await batcher.stop()
+
+    pace, error, hint_pace, room_after = run(scenario)
+    assert 0.025 <= pace < 0.04, pace  # at least 0.05 s / 2 workers; sleeps and threads add a little
+    assert error.retry_after_s == pytest.approx(8 * hint_pace), error.retry_after_s
+    assert error.metadata["value"] == "8" and error.reason == "QUEUE_FULL"
+    # The 8 queued inputs wait for the two batches in compute (0.2 s each): said to within 2x.
+    assert room_after / 2 <= error.retry_after_s <= room_after * 2, (error.retry_after_s, room_after)
 
 
 def test_more_inputs_than_the_whole_queue_holds_are_invalid_not_overload():

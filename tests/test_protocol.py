@@ -40,12 +40,17 @@ def test_a_bulk_request_reaches_the_engine_as_bulk():
 
 
 def test_an_engine_refusal_reaches_the_front_as_the_same_error():
-    """A failed RESULT carries the error's class (by its status), message, reason, field and
-    metadata: the front's google.rpc details say what the engine's error said."""
-    sent = Overloaded("queue full", "QUEUE_FULL", setting="queue_limit", limit=4, value=3, asked=2)
-    frames = protocol.failure(7, sent.code.value[0], str(sent), sent.reason, sent.field, sent.metadata)
+    """A failed RESULT carries the error's class (by its status), message, reason, field, metadata
+    and retry delay: the front's google.rpc details say what the engine's error said."""
+    sent = Overloaded(
+        "queue full", "QUEUE_FULL", retry_after_s=0.25, setting="queue_limit", limit=4, value=3, asked=2
+    )
+    frames = protocol.failure(
+        7, sent.code.value[0], str(sent), sent.reason, sent.field, sent.metadata, sent.retry_after_s
+    )
     got = error_for(protocol.parse_result(frames, 384))
     assert type(got) is Overloaded and str(got) == "queue full"
+    assert got.retry_after_s == 0.25
     assert (got.reason, got.field, got.metadata) == (
         "QUEUE_FULL",
         "",

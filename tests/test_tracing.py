@@ -33,6 +33,7 @@ from minilm_embed.server.engine import create_engine, onnx_backend
 from minilm_embed.server.front import Front, create_front, start, start_tracing
 from minilm_embed.server.http import HttpApi, ModelCard
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.place import SharedQueue
 from minilm_embed.server.tracing import RequestTracer
 from tests.server_process import model_dir, serving, wait_until
 
@@ -47,13 +48,13 @@ async def _traced(scenario: Scenario, tmp_path: Path) -> None:
     """`scenario` on a started front (traced into memory) over an engine serving the real model, both
     in this event loop."""
     config = ServerConfig(model_dir=model_dir(), threads=1, model_instances=1, max_batch_tokens=256)
-    depth = types.SimpleNamespace(value=0)
-    engine = create_engine(config, onnx_backend, Metrics(), lambda d: setattr(depth, "value", d))
+    queue = SharedQueue([0.0, 0.0])
+    engine = create_engine(config, onnx_backend, Metrics(), queue)
     address, stop = f"ipc://{tmp_path}/engine.sock", asyncio.Event()
     engine_task = asyncio.create_task(engine.serve(address, stop, lambda facts: None))
     exporter = InMemorySpanExporter()
     tracer = RequestTracer(SimpleSpanProcessor(exporter))
-    front = create_front(config, 0, "127.0.0.1:0", address, depth, "127.0.0.1:0", tracer)
+    front = create_front(config, 0, "127.0.0.1:0", address, queue, "127.0.0.1:0", tracer)
     await start(front)
     try:
         await scenario(front, exporter)
