@@ -57,9 +57,10 @@ grown input to a finished OUT). A resume checks that the input, the model and
 the output left as it was. A job that fails before its first row leaves no file.
 
 Requests refused as busy (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED)
-are retried with backoff for --retry-for seconds. Requests are kept within the
-server's limits; a line over its max_text_chars ends the job, naming the line,
-after every row before it is written.
+are retried for --retry-for seconds: after the wait the server's refusal asks
+for, up to half as long again, or else with exponential backoff. Requests are
+kept within the server's limits; a line over its max_text_chars ends the job,
+naming the line, after every row before it is written.
 """
 
 

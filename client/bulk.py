@@ -40,8 +40,9 @@ line does, after every row before it is written.
 Rows are written in input order as soon as they and every row before them are back, so at most
 `concurrency` requests of `batch_size` texts are held. A request refused with RESOURCE_EXHAUSTED
 (queue full), UNAVAILABLE (warming up, draining) or DEADLINE_EXCEEDED (a long queue; the server
-dropped it before computing it) is retried with exponential backoff for up to 10 minutes; a message
-over the server's size limit is not (it would fail again).
+dropped it before computing it) is retried for up to 10 minutes: after the wait the server's
+refusal asks for (its RetryInfo), with jitter, or else with exponential backoff; a message over the
+server's size limit is not (it would fail again).
 
 Resuming (`resume=True`) counts the whole rows already in `<out>.partial`, or else in a finished
 `<out>` (a row cut short by a kill is dropped), skips that many input records and appends the rest; a
@@ -84,6 +85,7 @@ import grpc
 import numpy as np
 
 from minilm_embed.client.client import lone_surrogate
+from minilm_embed.client.errors import EmbeddingError, from_rpc_error
 
 # Refusals that may pass later. A request past its deadline is one: the server drops inputs whose
 # deadline passed before computing them, so sending it again does the work once.
@@ -109,6 +111,10 @@ ROW_FRAMING = 32
 # gives the same text the same vector within 0.99999 (its batch invariance); another text, or
 # another model or precision (int8 against fp32: 0.989), falls below this.
 SAME_ROW_COSINE = 0.999
+# A refused request waits the server's RetryInfo delay times a random factor in [1, HINT_SPREAD]: never
+# sooner (the queue said it has no room until then), and spread over half that again so that the
+# requests a job has in flight, refused together, are sent again one by one as room appears.
+HINT_SPREAD = 1.5
 
 
 class InputFileError(Exception):
@@ -596,27 +602,29 @@ async def check_same_input(
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k
-    up to max_s, for as long as `for_s` seconds after the first attempt (a job outlasts a busy spell
-    of that length), and at most `retries` times where that is set."""
+    """How long a refused request waits before it is sent again. Where the refusal says when to retry
+    (the server's RetryInfo: a full queue's time to compute what it holds), a random time in
+    [hint, HINT_SPREAD * hint]: not before room is said to appear, and spread so that a job's
+    concurrent requests, refused together, do not come back together. Else exponential backoff with
+    jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k up to max_s. Either way for
+    as long as `for_s` seconds after the first attempt (a job outlasts a busy spell of that length),
+    and at most `retries` times where that is set."""
 
     for_s: float = 600.0
     retries: int | None = None
     first_s: float = 0.1
     max_s: float = 10.0
 
-    def delays(self) -> Iterator[float]:
-        start, slept = time.monotonic(), 0.0
-        for k in itertools.count():
-            d = min(self.max_s, self.first_s * 2 ** min(k, 64))
-            delay = random.uniform(d / 2, d)
-            if self.retries is not None and k >= self.retries:
-                return
-            # The waits count as well as the clock: the calls between them take time too.
-            if max(time.monotonic(), start + slept) + delay > start + self.for_s:
-                return
-            slept += delay
-            yield delay
+    def wait(self, k: int, hint: float | None) -> float:
+        """The k-th retry's wait (k from 0), given the server's hint in seconds (None: it gave none)."""
+        if hint is not None and hint > 0:
+            return random.uniform(hint, HINT_SPREAD * hint)
+        d = min(self.max_s, self.first_s * 2 ** min(k, 64))
+        return random.uniform(d / 2, d)
+
+    def allows(self, k: int, ends_s: float) -> bool:
+        """Whether the k-th retry may be made, its wait ending `ends_s` after the first attempt."""
+        return (self.retries is None or k < self.retries) and ends_s <= self.for_s
 
 
 @dataclass
@@ -640,16 +648,25 @@ def retryable(error: grpc.RpcError) -> bool:
     return error.code() in RETRYABLE and not too_large
 
 
+def retry_after(error: grpc.RpcError) -> float | None:
+    """The wait the refusal's RetryInfo asks for, in seconds; None where it has none (gRPC's own
+    refusals, DEADLINE_EXCEEDED, an older server)."""
+    return (error if isinstance(error, EmbeddingError) else from_rpc_error(error)).retry_after
+
+
 async def with_retries(call: Callable[[], Awaitable[T]], backoff: Backoff, stats: Stats) -> T:
-    for delay in backoff.delays():
+    start, slept, k = time.monotonic(), 0.0, 0
+    while True:
         try:
             return await call()
         except grpc.RpcError as e:
-            if not retryable(e):
-                raise
+            delay = backoff.wait(k, retry_after(e)) if retryable(e) else None
+            # The waits count as well as the clock: the calls between them take time too.
+            if delay is None or not backoff.allows(k, max(time.monotonic() - start, slept) + delay):
+                raise  # not retryable, or the retries are spent: this error is the job's
             stats.retry(e)
+        slept, k = slept + delay, k + 1
         await asyncio.sleep(delay)
-    return await call()  # the last attempt: its error is the job's
 
 
 class ReadAhead(Generic[T]):

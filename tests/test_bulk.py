@@ -18,9 +18,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from minilm_embed.client import bulk
 from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.client.errors import from_rpc_error
 from tests import test_client
 from tests.server_process import ServerProcess, serving
 from tests.test_client import run_client
@@ -491,14 +495,107 @@ def test_refusals_that_may_pass_later_are_retried_and_others_are_not():
     assert not outcomes
 
 
-def test_retries_go_on_for_the_time_given_not_a_count():
+def refusal(code: grpc.StatusCode, retry_after: float | None = None) -> grpc.aio.AioRpcError:
+    """A refusal with a RetryInfo of `retry_after` seconds in its trailer, built as server/details.py
+    builds it; with None, one without details, as gRPC's own refusals and older servers send."""
+    message, trailing = "refused", grpc.aio.Metadata()
+    if retry_after is not None:
+        status = status_pb2.Status(code=code.value[0], message=message)
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(round(retry_after * 1000))
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        trailing = grpc.aio.Metadata(*rpc_status.to_status(status).trailing_metadata)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, message)
+
+
+def retried(monkeypatch, outcomes: list, backoff: bulk.Backoff) -> tuple[list[float], int, object]:
+    """with_retries over a call that raises or returns each outcome in turn, asyncio.sleep recording
+    the waits instead of sleeping: the waits, the calls made, and what it returned or raised."""
+    waits: list[float] = []
+    left = iter(outcomes)
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    async def call() -> object:
+        outcome = next(left)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    try:
+        result = asyncio.run(bulk.with_retries(call, backoff, bulk.Stats()))
+    except grpc.RpcError as e:
+        result = e
+    return waits, len(outcomes) - len(list(left)), result
+
+
+QUEUE_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("raised", ["raw", "client"], ids=["grpc-error", "client-error"])
+def test_a_refusal_that_says_when_to_retry_is_retried_then_with_jitter(monkeypatch, raised):
+    error = refusal(QUEUE_FULL, retry_after=0.3)
+    if raised == "client":  # as AsyncEmbeddingClient raises it, RetryInfo already read
+        error = from_rpc_error(error)
+        assert error.retry_after == 0.3
+    waits, calls, result = retried(monkeypatch, [error] * 30 + ["done"], bulk.Backoff())
+    assert (result, calls, len(waits)) == ("done", 31, 30)
+    # Never before the server said, at most half that again; not the backoff's 0.05-0.1, 0.1-0.2, ...
+    assert all(0.3 <= w <= 0.45 for w in waits), waits
+    assert max(waits) - min(waits) > 0.05  # spread: the job's requests do not come back in lockstep
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        refusal(QUEUE_FULL),  # without details (an older server, a proxy)
+        refusal(grpc.StatusCode.UNAVAILABLE),  # gRPC's own: no server reached
+        refusal(grpc.StatusCode.DEADLINE_EXCEEDED),
+    ],
+    ids=["no-details", "unavailable", "deadline"],
+)
+def test_a_refusal_without_a_hint_keeps_the_exponential_backoff(monkeypatch, error):
+    waits, calls, result = retried(monkeypatch, [error] * 10 + ["done"], bulk.Backoff())
+    assert (result, calls) == ("done", 11)
+    for k, wait in enumerate(waits):  # 0.1 s doubling up to 10 s, each a random time in [d/2, d]
+        d = min(10.0, 0.1 * 2**k)
+        assert d / 2 <= wait <= d, (k, waits)
+
+
+def test_a_hinted_wait_counts_against_the_time_given(monkeypatch):
+    error = refusal(QUEUE_FULL, retry_after=0.3)
+    waits, calls, result = retried(monkeypatch, [error] * 100, bulk.Backoff(for_s=2.0))
+    assert result is error and calls == len(waits) + 1  # the last refusal is the job's
+    assert all(0.3 <= w <= 0.45 for w in waits), waits
+    assert 2.0 - 0.45 < sum(waits) <= 2.0  # as many as fit in 2 s, and no wait past it
+
+
+def test_a_hint_past_the_time_given_ends_the_retries_at_once(monkeypatch):
+    error = refusal(QUEUE_FULL, retry_after=5.0)
+    waits, calls, result = retried(monkeypatch, [error, "done"], bulk.Backoff(for_s=2.0))
+    assert (waits, calls, result) == ([], 1, error)
+
+
+def test_a_hinted_wait_counts_against_the_retry_count(monkeypatch):
+    error = refusal(QUEUE_FULL, retry_after=0.3)
+    waits, calls, result = retried(monkeypatch, [error] * 4 + ["done"], bulk.Backoff(retries=3))
+    assert (calls, result) == (4, error)  # 3 retries, then the refusal is the job's
+    assert len(waits) == 3 and all(0.3 <= w <= 0.45 for w in waits), waits
+
+
+def test_retries_go_on_for_the_time_given_not_a_count(monkeypatch):
+    error = refusal(grpc.StatusCode.UNAVAILABLE)
     backoff = bulk.Backoff(for_s=0.5, first_s=0.01, max_s=0.05)
-    started = time.monotonic()
-    delays = list(backoff.delays())
-    assert time.monotonic() - started < 0.1  # the generator does not sleep; the caller does
-    assert 0.4 <= sum(delays) <= 0.5  # as many as fit in 0.5 s: ~10 at the 0.05 s cap, not a fixed 10
-    assert len(delays) > 10
-    assert len(list(bulk.Backoff(for_s=100, retries=4, first_s=0.001).delays())) == 4
+    waits, calls, result = retried(monkeypatch, [error] * 100, backoff)
+    assert result is error
+    assert 0.4 <= sum(waits) <= 0.5  # as many as fit in 0.5 s: ~10 at the 0.05 s cap, not a fixed 10
+    assert len(waits) > 10
+    waits, calls, result = retried(
+        monkeypatch, [error] * 100, bulk.Backoff(for_s=100, retries=4, first_s=0.001)
+    )
+    assert (len(waits), calls, result) == (4, 5, error)
 
 
 def test_chunks_stop_at_the_byte_budget_as_well_as_the_count():
