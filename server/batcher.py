@@ -67,21 +67,22 @@ class BatchLimits:
 BULK_SETTING = "bulk_queue_share"
 
 
-# A full queue's refusal asks its caller to try again once the inputs waiting have been computed, at
-# the engine's recent pace, within these bounds: sooner, a flood of retries would cost the fronts
-# more than it gives; later, a caller would sit out a busy spell long past.
+# A full queue's refusal asks its caller to try again once enough of the inputs waiting have been
+# taken for its request to fit, at the engine's recent pace, within these bounds: sooner, a flood of
+# retries would cost the fronts more than it gives; later, a caller would sit out a busy spell long past.
 RETRY_AFTER_BOUNDS_S = (0.1, 30.0)
-# Each batch's weight in the pace, against the batches before it (weighted by inputs): about the
-# last 10 batches count.
-PACE_DECAY = 0.9
+# The pace is over about the last this many inputs computed: a batch's weight is its inputs, so a
+# lone slow input (a query alone on an idle engine, a pause) moves it little.
+PACE_INPUTS = 256
 
 
-def retry_after(waiting: int, s_per_input: float) -> float | None:
-    """Seconds until the `waiting` inputs are computed at `s_per_input` (None: no pace measured yet)."""
+def retry_after(inputs: int, s_per_input: float) -> float | None:
+    """Seconds until `inputs` more inputs are taken from the queue at `s_per_input`, within
+    RETRY_AFTER_BOUNDS_S (None: no pace measured yet)."""
     if s_per_input <= 0:
         return None
     low, high = RETRY_AFTER_BOUNDS_S
-    return min(high, max(low, waiting * s_per_input))
+    return min(high, max(low, inputs * s_per_input))
 
 
 def check_capacity(
@@ -94,10 +95,11 @@ def check_capacity(
     large as any other fits an empty queue (a job sizes its requests by max_inputs_per_request, not
     by the share) and interactive requests keep the queue's other share but one request.
     `s_per_input`: the engine's recent seconds of compute per input, from which a refusal says when
-    to try again.
+    to try again: once the inputs that must leave the queue for this request to fit have been taken
+    (not once the whole queue has drained: 10 s at the default queue_limit, where room came in 0.4 s).
     """
-    retry_after_s = retry_after(waiting, s_per_input)
     if bulk_share is not None and waiting >= queue_limit * bulk_share:
+        retry_after_s = retry_after(waiting - math.ceil(queue_limit * bulk_share) + 1, s_per_input)
         raise Overloaded(
             f"queue full for bulk requests: {waiting} inputs waiting, and bulk requests are admitted "
             f"only below {queue_limit * bulk_share:g} ({BULK_SETTING} {bulk_share:g} of the queue_limit "
@@ -122,7 +124,7 @@ def check_capacity(
         raise Overloaded(
             f"queue full: {waiting} inputs waiting, queue_limit is {queue_limit}; retry with backoff",
             "QUEUE_FULL",
-            retry_after_s=retry_after_s,
+            retry_after_s=retry_after(waiting + count - queue_limit, s_per_input),
             setting="queue_limit",
             limit=queue_limit,
             value=waiting,
@@ -336,7 +338,7 @@ class Batcher:
     # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
     # cancel while every instance computes, for one).
     _dead: int = 0
-    # Compute seconds and inputs of the batches run, each sum decayed by PACE_DECAY a batch.
+    # Compute seconds and inputs of the batches run, both decayed by exp(-inputs / PACE_INPUTS) a batch.
     _paced_s: float = 0.0
     _paced_inputs: float = 0.0
 
@@ -367,8 +369,8 @@ class Batcher:
     @property
     def s_per_input(self) -> float:
         """The recent seconds of compute an input takes, the workers running side by side (0.0 until
-        a batch has run). Weighted by inputs: under load, full batches set it, not a lone input's
-        latency."""
+        a batch has run). Batches weigh by their inputs: under load, full batches set it, not a lone
+        input's latency; inputs run one by one after their batch failed do not count."""
         return self._paced_s / self._paced_inputs / self.workers if self._paced_inputs else 0.0
 
     def check_capacity(self, count: int, bulk: bool = False) -> None:
@@ -568,7 +570,14 @@ class Batcher:
             self._running -= 1
         run_s = time.monotonic() - started
         self._observe(batch, ids.size, int(lengths.sum()), started, run_s)
+        self._paced(len(batch), run_s)
         self._resolve(batch_runs, normalised, pooled, started, run_s)
+
+    def _paced(self, inputs: int, run_s: float) -> None:
+        keep = math.exp(-inputs / PACE_INPUTS)
+        self._paced_s = keep * self._paced_s + run_s
+        self._paced_inputs = keep * self._paced_inputs + inputs
+        self.on_pace(self.s_per_input)
 
     async def _run_singly(self, batch: list[Entry]) -> None:
         """After a batch failed: each input alone, so only the inputs that fail by themselves fail."""
@@ -634,9 +643,6 @@ class Batcher:
         m.tokens.inc(real)
         m.inputs.inc(len(batch))
         m.model_run_duration.observe(run_s)
-        self._paced_s = PACE_DECAY * self._paced_s + run_s
-        self._paced_inputs = PACE_DECAY * self._paced_inputs + len(batch)
-        self.on_pace(self.s_per_input)
 
 
 def _tags(batch: list[Entry]) -> list[str]:

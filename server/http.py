@@ -161,8 +161,8 @@ RETRYABLE = {429, 503}
 
 def retry_headers(error: ServiceError) -> dict[str, str]:
     """When to try again: Retry-After in whole seconds (RFC 9110, so at least 1 here), and
-    retry-after-ms, which OpenAI's clients read first and honour up to 60 s (a full queue on a fast
-    engine drains in well under a second)."""
+    retry-after-ms, which OpenAI's clients read first and honour up to two minutes (a full queue on a
+    fast engine has room again well within a second)."""
     ms = retry_after_ms(error)
     return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
 

@@ -17,7 +17,15 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from minilm_embed.server.batcher import Batcher, BatchLimits, Done, Rows, choose_batch, retry_after
+from minilm_embed.server.batcher import (
+    Batcher,
+    BatchLimits,
+    Done,
+    Rows,
+    check_capacity,
+    choose_batch,
+    retry_after,
+)
 from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
 from tests.server_process import wait_until
@@ -271,33 +279,47 @@ def test_full_queue_refuses_at_once():
 
 
 @pytest.mark.parametrize(
-    ("waiting", "s_per_input", "delay"),
+    ("inputs", "s_per_input", "delay"),
     [(8, 0.0, None), (8, 0.025, 0.2), (8, 0.001, 0.1), (2_000, 0.05, 30.0)],
 )
-def test_a_retry_delay_is_the_queues_compute_time_within_bounds(waiting, s_per_input, delay):
-    """No pace measured yet: no figure (the caller is told RETRY_AFTER_S, 1 s). Else the time the
-    inputs waiting take, at least 0.1 s (a flood of retries costs the fronts) and at most 30 s."""
-    assert retry_after(waiting, s_per_input) == pytest.approx(delay)
+def test_a_retry_delay_is_the_compute_time_of_the_inputs_to_be_taken(inputs, s_per_input, delay):
+    """No pace measured yet: no figure (the caller is told RETRY_AFTER_S, 1 s). Else the time `inputs`
+    take, at least 0.1 s (a flood of retries costs the fronts) and at most 30 s."""
+    assert retry_after(inputs, s_per_input) == pytest.approx(delay)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "count", "share", "taken"),
+    [(8, 4, None, 4), (8, 1, None, 1), (4096, 256, None, 256), (6, 1, 0.5, 3), (5, 1, 0.5, 2)],
+)
+def test_a_full_queue_says_when_enough_inputs_will_have_left_it_for_the_request(waiting, count, share, taken):
+    """Not when the whole queue has drained (10 s at the default queue_limit of 4,096, where room for
+    the request came within 0.4 s): when `taken` inputs have left it, so that the request fits, or for
+    a bulk one, so that fewer than queue_limit x share wait."""
+    with pytest.raises(Overloaded) as refused:
+        check_capacity(waiting, count, 8 if waiting < 100 else 4096, share, s_per_input=0.05)
+    assert refused.value.retry_after_s == pytest.approx(max(0.1, taken * 0.05))
 
 
 class PacedModel(FakeModel):
-    """A fake model that takes `row_s` a row, like a real one taking time per input."""
+    """A fake model that takes `batch_s` a batch and `row_s` a row, like a real one."""
 
-    def __init__(self, row_s: float) -> None:
+    def __init__(self, row_s: float, batch_s: float = 0.0) -> None:
         super().__init__()
-        self.row_s = row_s
+        self.row_s, self.batch_s = row_s, batch_s
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         answer = super().run(ids, lengths)  # seen by the test as it begins
-        time.sleep(self.row_s * len(ids))
+        time.sleep(self.batch_s + self.row_s * len(ids))
         return answer
 
 
-def test_a_full_queue_says_to_retry_about_when_its_inputs_will_have_been_taken():
+def test_a_full_queue_says_to_retry_about_when_the_request_would_fit():
     """RetryInfo and Retry-After said 1 s whatever the queue: OpenAI's client, which waits what it is
-    told, left a queue that drains in 0.2 s idle for the rest of the second. The delay is now the time
-    the inputs waiting take at the pace of the recent batches, two workers side by side."""
-    model = PacedModel(row_s=0.05)
+    told, left a queue that had room again in 0.2 s idle for the rest of the second. The delay is now
+    the time the inputs that must leave the queue take at the pace of the recent batches, two workers
+    side by side."""
+    model = PacedModel(row_s=0.1)
     batcher = new_batcher(model, max_batch_size=4, queue_limit=8, workers=2)
 
     async def scenario() -> tuple[float, Overloaded, float, float]:
@@ -306,15 +328,16 @@ def test_a_full_queue_says_to_retry_about_when_its_inputs_will_have_been_taken()
             assert batcher.s_per_input == 0.0  # nothing run yet
             for _ in range(3):  # two at a time: the queue holds 8 inputs
                 await asyncio.gather(*(submit(batcher, [[i, 5]] * 4) for i in range(2)))
-            pace = batcher.s_per_input  # 4 rows of 0.05 s a batch, two batches at once
+            pace = batcher.s_per_input  # 4 rows of 0.1 s a batch, two batches at once
             running = [asyncio.create_task(submit(batcher, [[i, 5]] * 4)) for i in (1, 2)]
-            await wait_until(lambda: len(model.batches) == 8)  # both workers busy with them
+            await wait_until(lambda: len(model.batches) == 8)  # both workers busy with them (0.4 s)
             queued = [asyncio.create_task(submit(batcher, [[i, 5]] * 4)) for i in (3, 4)]
             await wait_until(lambda: batcher.depth == 8)
+            await asyncio.sleep(0.2)  # halfway through the batches in compute
             with pytest.raises(Overloaded) as refused:
-                await submit(batcher, [[5, 5]])
+                await submit(batcher, [[5, 5]] * 4)
             hint_pace, full_at = batcher.s_per_input, time.monotonic()
-            await wait_until(lambda: batcher.depth == 0)  # room again: every queued input taken
+            await wait_until(lambda: batcher.depth <= 4)  # room for it: a worker took 4 queued inputs
             room_after = time.monotonic() - full_at
             await asyncio.gather(*running, *queued)
             return pace, refused.value, hint_pace, room_after
@@ -322,11 +345,33 @@ def test_a_full_queue_says_to_retry_about_when_its_inputs_will_have_been_taken()
             await batcher.stop()
 
     pace, error, hint_pace, room_after = run(scenario)
-    assert 0.025 <= pace < 0.04, pace  # at least 0.05 s / 2 workers; sleeps and threads add a little
-    assert error.retry_after_s == pytest.approx(8 * hint_pace), error.retry_after_s
+    assert 0.05 <= pace < 0.075, pace  # at least 0.1 s / 2 workers; sleeps and threads add a little
+    assert error.retry_after_s == pytest.approx(4 * hint_pace), error.retry_after_s
     assert error.metadata["value"] == "8" and error.reason == "QUEUE_FULL"
-    # The 8 queued inputs wait for the two batches in compute (0.2 s each): said to within 2x.
+    # Room came when a batch in compute ended (~0.2 s after the refusal): said to within 2x.
     assert room_after / 2 <= error.retry_after_s <= room_after * 2, (error.retry_after_s, room_after)
+
+
+def test_the_pace_weighs_batches_by_their_inputs_so_lone_inputs_move_it_little():
+    """20 queries alone (an input's latency, 3x its share of a full batch) after 64 inputs in full
+    batches: the pace rises by about half, where decayed per batch the lone inputs set it (3x)."""
+    model = PacedModel(row_s=0.005, batch_s=0.02)
+    batcher = new_batcher(model, max_batch_size=8, queue_limit=64, workers=1)
+
+    async def scenario() -> tuple[float, float]:
+        batcher.start()
+        try:
+            await submit(batcher, [[1, 5]] * 64)
+            before = batcher.s_per_input
+            for _ in range(20):
+                await submit(batcher, [[2, 5]])
+            return before, batcher.s_per_input
+        finally:
+            await batcher.stop()
+
+    before, after = run(scenario)
+    assert 0.0075 <= before < 0.011, before  # (0.02 + 8 x 0.005) / 8
+    assert before < after < 2 * before, (before, after)
 
 
 def test_more_inputs_than_the_whole_queue_holds_are_invalid_not_overload():

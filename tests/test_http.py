@@ -12,8 +12,6 @@ import asyncio
 import base64
 import contextlib
 import gzip
-import logging
-import re
 import socket
 import threading
 import time
@@ -705,39 +703,6 @@ def test_bulk_calls_are_held_back_at_their_share_of_the_queue(held_server):
     assert refused and len(refused) < 30, outcomes
     assert all("queue full for bulk requests" in e.message for e in refused), refused[0].message
     assert refused[0].body["code"] == "queue_full"  # type: ignore[index]
-
-
-def test_openais_client_retries_a_full_queue_after_the_wait_the_server_gives(held_server, caplog):
-    """A 429 says when the queue will have room: retry-after-ms (which OpenAI's client reads before
-    Retry-After) is the compute time of the inputs waiting at the recent pace, 0.1 s at least, where
-    it said 1 s whatever the queue. The client waits exactly that, and every call is served."""
-    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(3)]  # 3 of the 4 queue places each
-    hints: list[float] = []
-
-    async def seen(response: httpx.Response) -> None:
-        if response.status_code == 429:
-            hints.append(int(response.headers["retry-after-ms"]) / 1000)
-            assert response.headers["retry-after"] == "1"  # whole seconds, rounded up (RFC 9110)
-
-    async def flood() -> list[object]:
-        http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen]})
-        url = held_server.http_url + "/v1"
-        async with openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=50, http_client=http) as c:
-            await c.embeddings.create(model="m", input=texts)  # a batch has run: the pace is known
-            calls = [c.embeddings.create(model="m", input=texts) for _ in range(30)]
-            return await asyncio.gather(*calls, return_exceptions=True)
-
-    with caplog.at_level(logging.INFO, logger="openai"):
-        outcomes = asyncio.run(flood())
-    assert all(isinstance(o, openai.types.CreateEmbeddingResponse) for o in outcomes), outcomes
-    waits = [
-        float(m[1])
-        for record in caplog.records
-        if (m := re.match(r"Retrying request in ([0-9.]+) seconds", record.getMessage()))
-    ]
-    assert hints, "no call was refused: nothing tested"
-    assert all(0.1 <= hint < 1 for hint in hints), hints
-    assert sorted(waits) == pytest.approx(sorted(hints), abs=1e-6)
 
 
 def test_a_client_that_disconnects_has_its_inputs_dropped_before_compute(held_server):

@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import itertools
 import json
+import logging
 import os
 import queue
 import re
@@ -28,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
+import openai
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -816,6 +819,42 @@ def test_bulk_requests_are_held_back_at_their_share_of_the_queue_and_interactive
     # Counted as pacing, not as a full queue (EmbedQueueSaturated pages on that).
     bulk_after = metric(tiny_queue_server, "embed_requests_refused_total", reason="bulk_queue")
     assert bulk_after - bulk_before == len(refused)
+
+
+# After the full-queue test, which counts every refusal the tiny queue's server has made. On a server of
+# its own kind (the real model, no input held for seconds), so that no test before it sets the pace.
+def test_openais_client_retries_a_full_queue_after_the_wait_the_server_gives(tiny_queue_server, caplog):
+    """A 429 says when the request would fit the queue: retry-after-ms (which OpenAI's client reads
+    before Retry-After) is the compute time of the inputs that must leave it, at the recent pace,
+    0.1 s at least, where it said 1 s whatever the queue. The client waits exactly that, and every
+    call is served."""
+    texts = [f"{i} {' '.join(SHORT[:8])}" for i in range(3)]  # 3 of the 4 queue places each
+    hints: list[float] = []
+
+    async def seen(response: httpx.Response) -> None:
+        if response.status_code == 429:
+            hints.append(int(response.headers["retry-after-ms"]) / 1000)
+            assert response.headers["retry-after"] == "1"  # whole seconds, rounded up (RFC 9110)
+
+    async def flood() -> list[object]:
+        http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [seen]})
+        url = tiny_queue_server.http_url + "/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=50, http_client=http) as c:
+            await c.embeddings.create(model="m", input=texts)  # a batch has run: the pace is known
+            calls = [c.embeddings.create(model="m", input=texts) for _ in range(30)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="openai"):
+        outcomes = asyncio.run(flood())
+    assert all(isinstance(o, openai.types.CreateEmbeddingResponse) for o in outcomes), outcomes
+    waits = [
+        float(m[1])
+        for record in caplog.records
+        if (m := re.match(r"Retrying request in ([0-9.]+) seconds", record.getMessage()))
+    ]
+    assert hints, "no call was refused: nothing tested"
+    assert all(0.1 <= hint < 1 for hint in hints), hints
+    assert sorted(waits) == pytest.approx(sorted(hints), abs=1e-6)
 
 
 def test_a_request_the_full_queue_cannot_take_is_refused_before_it_is_tokenized():
