@@ -603,12 +603,12 @@ async def check_same_input(
 @dataclass(frozen=True)
 class Backoff:
     """How long a refused request waits before it is sent again. Where the refusal says when to retry
-    (the server's RetryInfo: a full queue's time to compute what it holds), a random time in
-    [hint, HINT_SPREAD * hint]: not before room is said to appear, and spread so that a job's
-    concurrent requests, refused together, do not come back together. Else exponential backoff with
-    jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k up to max_s. Either way for
-    as long as `for_s` seconds after the first attempt (a job outlasts a busy spell of that length),
-    and at most `retries` times where that is set."""
+    (the server's RetryInfo: when the queue will have room for it), a random time in
+    [hint, HINT_SPREAD * hint], the hint at least first_s: not before room is said to appear, and
+    spread so that a job's concurrent requests, refused together, do not come back together. Else
+    exponential backoff with jitter: the k-th retry waits a random time in [d/2, d], d = first * 2^k
+    up to max_s. Either way for as long as `for_s` seconds after the first attempt (a job outlasts a
+    busy spell of that length), and at most `retries` times where that is set."""
 
     for_s: float = 600.0
     retries: int | None = None
@@ -618,6 +618,7 @@ class Backoff:
     def wait(self, k: int, hint: float | None) -> float:
         """The k-th retry's wait (k from 0), given the server's hint in seconds (None: it gave none)."""
         if hint is not None and hint > 0:
+            hint = max(hint, self.first_s)  # a proxy's or another server's 1 ms: not a tight loop
             return random.uniform(hint, HINT_SPREAD * hint)
         d = min(self.max_s, self.first_s * 2 ** min(k, 64))
         return random.uniform(d / 2, d)

@@ -564,6 +564,13 @@ def test_a_refusal_without_a_hint_keeps_the_exponential_backoff(monkeypatch, err
         assert d / 2 <= wait <= d, (k, waits)
 
 
+def test_a_hint_shorter_than_the_first_backoff_is_waited_as_that(monkeypatch):
+    """A 1 ms hint (a proxy's, another server's) would retry in a tight loop: at least first_s."""
+    error = refusal(QUEUE_FULL, retry_after=0.001)
+    waits, calls, result = retried(monkeypatch, [error] * 5 + ["done"], bulk.Backoff())
+    assert (result, calls) == ("done", 6) and all(0.1 <= w <= 0.15 for w in waits), waits
+
+
 def test_a_hinted_wait_counts_against_the_time_given(monkeypatch):
     error = refusal(QUEUE_FULL, retry_after=0.3)
     waits, calls, result = retried(monkeypatch, [error] * 100, bulk.Backoff(for_s=2.0))
