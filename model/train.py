@@ -290,9 +290,9 @@ class Progress:
         )
 
 
-def train(args: argparse.Namespace, progress: Progress | None = None) -> Summary:
-    """Train as the arguments say, evaluating before and after; the checkpoint is saved at the end."""
-    texts = check_inputs(args)
+def train(args: argparse.Namespace, texts: Texts, progress: Progress | None = None) -> Summary:
+    """Train as the arguments say on `texts` (check_inputs'), evaluating before and after; the
+    checkpoint is saved at the end."""
     import torch
 
     from minilm_embed.model.loop import evaluate, fit, loss_window
@@ -313,15 +313,26 @@ def train(args: argparse.Namespace, progress: Progress | None = None) -> Summary
     return Summary(first, run.step, seconds, before, after, *losses)
 
 
-def refused(e: Exception) -> bool:
-    """Whether `e` is bad input, which main reports in one line. The weights' error is looked up only
-    for an error that is none of the others: its module imports torch, which a refusal before training
-    never needs (an error of its own was raised after it was loaded)."""
-    if isinstance(e, (DataError, OutputError, OSError)):
-        return True
-    from minilm_embed.model.weights import WeightsError
+def refuse(e: Exception) -> int:
+    print(f"train: error: {e}", file=sys.stderr)
+    return 2
 
-    return isinstance(e, WeightsError)
+
+def checked_then_trained(args: argparse.Namespace, progress: Progress) -> int:
+    """Bad flags, data and --out refused before torch is loaded (seconds); then the training, whose bad
+    checkpoints are refused too. torch failing to load is no bad input: its own traceback."""
+    try:
+        texts = check_inputs(args)
+    except (DataError, OutputError, OSError) as e:
+        return refuse(e)
+    from minilm_embed.model.weights import WeightsError  # loads torch
+
+    try:
+        summary = train(args, texts, progress)
+    except (DataError, WeightsError, OutputError, OSError) as e:
+        return refuse(e)
+    print("\n".join(summary.lines(args.out)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,17 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     progress = Progress()
     try:
-        summary = train(args, progress)
+        return checked_then_trained(args, progress)
     except KeyboardInterrupt:
         print(progress.interrupted(args.out), file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-    except Exception as e:
-        if not refused(e):
-            raise  # a bug: its traceback
-        print(f"train: error: {e}", file=sys.stderr)
-        return 2
-    print("\n".join(summary.lines(args.out)))
-    return 0
 
 
 if __name__ == "__main__":
