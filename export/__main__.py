@@ -346,17 +346,15 @@ def export(args: argparse.Namespace) -> None:
 
 def refused(e: Exception) -> bool:
     """Whether `e` is bad input or a failed gate, which main reports in one line. The weights' and the
-    gate's errors are looked up only for an error that is none of the others: their modules import
-    torch, which an --out refused never needs (an error of theirs was raised after they were loaded)."""
-    if isinstance(e, (DataError, OutputError, OSError)):
-        return True
-    from minilm_embed.model.weights import WeightsError
-
-    if isinstance(e, WeightsError):
-        return True
-    from minilm_embed.export.parity import ParityError
-
-    return isinstance(e, ParityError)
+    gate's errors are looked up among the modules loaded, not imported here: theirs import torch, and
+    an error of theirs was raised after they were loaded."""
+    weights = sys.modules.get("minilm_embed.model.weights")
+    parity = sys.modules.get("minilm_embed.export.parity")
+    return (
+        isinstance(e, (DataError, OutputError, OSError))
+        or (weights is not None and isinstance(e, weights.WeightsError))
+        or (parity is not None and isinstance(e, parity.ParityError))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

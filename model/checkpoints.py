@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from minilm_embed.model.directories import STATE_FILE
 from minilm_embed.model.loop import Plan, Run
 from minilm_embed.model.pairs import TrainingData
 from minilm_embed.model.weights import WeightsError, save_checkpoint
 
-STATE_FILE = "training_state.pt"
 LOG_FILE = "training_log.jsonl"
 
 

@@ -9,6 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+# The training checkpoint's marker (model/checkpoints.py writes it): here, torch-free, so that the
+# training CLI checks --out against it before torch is loaded.
+STATE_FILE = "training_state.pt"
+
 
 class OutputError(Exception):
     """An --out that is not the command's own directory to replace; the message says why."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 # that cannot be read (--weights, --resume) is refused once torch is loaded.
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import DataError, ScoredPair, read_sts, sts_path
-from minilm_embed.model.directories import OutputError, check_out, interrupts_deferred
+from minilm_embed.model.directories import STATE_FILE, OutputError, check_out, interrupts_deferred
 from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
 
 if TYPE_CHECKING:
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 
 DEFAULT_LR = {"default": 2e-5, "scratch": 1e-3}
 FINETUNED = "-finetuned"
-# checkpoints.STATE_FILE, named here too: --out is checked against it before torch, which that module
-# imports, is loaded (tests/test_train.py checks that the two agree).
-STATE_FILE = "training_state.pt"
 Texts = tuple[list[tuple[str, str]], list[ScoredPair]]
 
 

@@ -96,7 +96,7 @@ def check_capacity(
     by the share) and interactive requests keep the queue's other share but one request.
     `s_per_input`: the engine's recent seconds of compute per input, from which a refusal says when
     to try again: once the inputs that must leave the queue for this request to fit have been taken
-    (not once the whole queue has drained: 10 s at the default queue_limit, where room came in 0.4 s).
+    (not once the whole queue has drained: at a large queue_limit that is far later).
     """
     if bulk_share is not None and waiting >= queue_limit * bulk_share:
         retry_after_s = retry_after(waiting - math.ceil(queue_limit * bulk_share) + 1, s_per_input)

@@ -34,6 +34,6 @@ def details(error: ServiceError) -> Trailing:
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
     if error.code in RETRYABLE:
         delay = duration_pb2.Duration()
-        delay.FromMilliseconds(retry_after_ms(error))
+        delay.FromMilliseconds(retry_after_ms(error.retry_after_s))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
     return tuple(rpc_status.to_status(status).trailing_metadata)

@@ -27,8 +27,8 @@ import grpc
 # google.rpc.ErrorInfo's domain: the service whose reasons these are.
 ERROR_DOMAIN = "minilm-embed"
 # How long a refused caller is asked to wait before trying again (HTTP's Retry-After, gRPC's
-# RetryInfo) where the server has no better figure: a full queue's refusal says how long its inputs
-# take to compute (batcher.retry_after).
+# RetryInfo) where the server has no better figure: a full queue's refusal says when it will have
+# room for the request (batcher.retry_after).
 RETRY_AFTER_S = 1.0
 
 
@@ -56,10 +56,10 @@ class ServiceError(Exception):
         self.metadata = {key: str(value) for key, value in metadata.items()}
 
 
-def retry_after_ms(error: ServiceError) -> int:
-    """The error's retry delay in whole milliseconds (at least 1): RetryInfo's, and the retry-after-ms
-    header OpenAI's client reads."""
-    return max(1, math.ceil(error.retry_after_s * 1000))
+def retry_after_ms(seconds: float) -> int:
+    """A retry delay in whole milliseconds (at least 1): RetryInfo's, and the retry-after-ms header
+    OpenAI's client reads."""
+    return max(1, math.ceil(seconds * 1000))
 
 
 class InvalidInput(ServiceError):

@@ -159,11 +159,11 @@ def status_of(error: ServiceError) -> tuple[int, str]:
 RETRYABLE = {429, 503}
 
 
-def retry_headers(error: ServiceError) -> dict[str, str]:
+def retry_headers(seconds: float) -> dict[str, str]:
     """When to try again: Retry-After in whole seconds (RFC 9110, so at least 1 here), and
     retry-after-ms, which OpenAI's clients read first and honour up to two minutes (a full queue on a
     fast engine has room again well within a second)."""
-    ms = retry_after_ms(error)
+    ms = retry_after_ms(seconds)
     return {"Retry-After": str(math.ceil(ms / 1000)), "retry-after-ms": str(ms)}
 
 
@@ -175,7 +175,7 @@ def error_response(error: ServiceError) -> Response:
     if status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750
     elif status in RETRYABLE:
-        response.headers.update(retry_headers(error))
+        response.headers.update(retry_headers(error.retry_after_s))
     return response
 
 
@@ -783,8 +783,8 @@ class BoundedH11(H11Protocol):
         headers were not read) and, for 429, Retry-After."""
         error = {"message": message, "type": kind, "param": None, "code": code.lower()}
         body = orjson.dumps({"error": error})
-        waits = f"retry-after: {math.ceil(RETRY_AFTER_S)}\r\nretry-after-ms: {RETRY_AFTER_S * 1000:.0f}\r\n"
-        retry = waits if status == 429 else ""
+        waits = retry_headers(RETRY_AFTER_S).items() if status == 429 else ()
+        retry = "".join(f"{name.lower()}: {value}\r\n" for name, value in waits)
         head = (
             f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n{logs.REQUEST_ID_HEADER}: {logs.new_request_id()}\r\n"
