@@ -131,6 +131,7 @@ def manifest(
 def build(
     weights: Path, expected_sha256: str | None, staging: Path, data_dir: Path | None, int8: bool
 ) -> None:
+    from minilm_embed.model.tokenizer import save_unpadded
     from minilm_embed.model.weights import load_checkpoint, read_tokenizer
 
     encoder, ckpt = load_checkpoint(weights, expected_sha256)
@@ -145,7 +146,7 @@ def build(
     onnx_path = staging / FP32_FILE
     save(export_onnx(encoder), onnx_path)
     shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
-    shutil.copyfile(weights / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+    save_unpadded(weights / TOKENIZER_FILE, staging / TOKENIZER_FILE, ckpt.config.max_seq_length)
     reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
     report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())

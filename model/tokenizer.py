@@ -2,7 +2,8 @@
 
 The packaged all-MiniLM-L6-v2 tokenizer.json pads every row to 128 and truncates at 128; counting
 those pad ids as real tokens cost 12.6 points of STS-B Spearman. So padding is switched off here
-(the batcher pads, and the mask comes from lengths) and truncation is set to the model's limit.
+(the batcher pads, and the mask comes from lengths) and truncation is set to the model's limit,
+and a model repository's copy is written so (`save_unpadded`).
 """
 
 from __future__ import annotations
@@ -282,6 +283,17 @@ class Tokenizer:
         if len(full) <= self.max_length:  # a long text of few tokens (a URL, a blob, spaces): not cut
             return list(full), len(full), False
         return [*full[: self.max_length - 1], full[-1]], len(full), False
+
+
+def save_unpadded(source: Path, out: Path, max_length: int) -> None:
+    """The tokenizer.json at `source`, written to `out` as the server tokenizes: no padding, cut at
+    `max_length`. A caller who makes token ids with a repository's file then gets the server's own
+    (the packaged file's ids, padded with 0s to 128, were refused; cut at 128, silently embedded short:
+    cosine 0.983 against the text)."""
+    tokenizer = HFTokenizer.from_file(str(source))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length)
+    tokenizer.save(str(out))
 
 
 def pad_batch(rows: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -94,7 +94,26 @@ _INT64 = 1 << 63
 # How much of a bad value an error message shows: a 900 kB one came back whole (an answer as large as
 # the request, and a line that large wherever the caller logs its errors). reprlib cuts while it writes.
 SHOWN_CHARS = 64
-_SHOWN = reprlib.Repr()
+
+
+class _JsonRepr(reprlib.Repr):
+    """reprlib's cut, in JSON's spelling: null, true, "text" (not None, True, 'text')."""
+
+    def repr_NoneType(self, value: None, level: int) -> str:  # reprlib dispatches on the type name
+        return "null"
+
+    def repr_bool(self, value: bool, level: int) -> str:
+        return "true" if value else "false"
+
+    def repr_str(self, value: str, level: int) -> str:
+        text = orjson.dumps(value).decode()
+        if len(text) <= self.maxstring:
+            return text
+        half = max(0, (self.maxstring - 3) // 2)
+        return f"{text[:half]}...{text[len(text) - half :]}"
+
+
+_SHOWN = _JsonRepr()
 _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxlevel = SHOWN_CHARS, 32, 4, 4, 2
 KINDS = {
     dict: "an object", list: "a list", str: "a string", type(None): "null",
@@ -203,7 +222,11 @@ class HttpApi:
             Route(MODEL_ROUTE, self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+        app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+        # "/v1/embeddings/" is a 404 in OpenAI's shape, as any other unknown path, not Starlette's
+        # bare 307 to the path without the slash (no body, no x-request-id).
+        app.router.redirect_slashes = False
+        return app
 
     async def embeddings(self, request: Request) -> Response:
         inputs = [0]  # for the latency's size class, once the body is read
@@ -251,8 +274,11 @@ class HttpApi:
     async def health(self, request: Request) -> Response:
         readiness = self.embedder.readiness
         if readiness.ready:
-            return json_response({"status": "serving"})
-        return json_response({"status": "not serving", "reason": readiness.reason}, 503)
+            response = json_response({"status": "serving"})
+        else:
+            response = json_response({"status": "not serving", "reason": readiness.reason}, 503)
+        response.headers[logs.REQUEST_ID_HEADER] = self._request_id(request)
+        return response
 
     async def _serve(
         self,
@@ -454,7 +480,7 @@ def parse_input(value: object, most: int) -> tuple[list[str], list[TokenRow]]:
     kinds = set(map(type, value))
     if kinds == {str}:
         return value, []
-    if kinds <= NUMBERS:  # one sequence of token ids
+    if kinds <= NUMBERS or type(value[0]) in NUMBERS:  # one sequence of token ids (which names an odd item)
         return [], [_token_ids(value, 0, kinds)]
     if kinds == {list}:
         return [], [_token_ids(row, i) for i, row in enumerate(value)]
@@ -504,7 +530,7 @@ def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenR
         if type(t) is not int:
             raise InvalidField(
                 "input",
-                f"input {i}: token id at position {j} is {_kind(t)} {shown(t)}, not an integer",
+                f"input {i}: token id at position {j} is {_described(t)}, not an integer",
                 "TOKEN_ID_NOT_AN_INTEGER",
                 input=i,
                 position=j,
@@ -520,9 +546,7 @@ def check_dimensions(value: object, card: ModelCard) -> None:
     if value is None or (type(value) is int and value == card.dimensions):
         return
     if type(value) is not int:  # 384.0 or "384": not "is 384.0, but ... send 384"
-        raise InvalidField(
-            "dimensions", f"`dimensions` must be an integer, not {_kind(value)} {shown(value)}"
-        )
+        raise InvalidField("dimensions", f"`dimensions` must be an integer, not {_described(value)}")
     raise InvalidField(
         "dimensions",
         f"`dimensions` is {shown(value)}, but {card.id} gives {card.dimensions}-dimensional vectors only; "
@@ -540,7 +564,7 @@ def parse_truncate(value: object) -> bool:
         return True
     if isinstance(value, bool):
         return value
-    raise InvalidField("truncate", f"`truncate` must be a boolean, not {_kind(value)} {shown(value)}")
+    raise InvalidField("truncate", f"`truncate` must be a boolean, not {_described(value)}")
 
 
 def parse_priority(value: object) -> bool:
@@ -566,6 +590,11 @@ def parse_format(value: object) -> bool:
 
 def _kind(value: object) -> str:
     return KINDS.get(type(value), type(value).__name__)
+
+
+def _described(value: object) -> str:
+    """What a value is and, unless null, which: "a boolean true", "null"."""
+    return "null" if value is None else f"{_kind(value)} {shown(value)}"
 
 
 async def embed_while_connected(
@@ -760,6 +789,12 @@ class BoundedH11(H11Protocol):
         self._stop_waiting()
         self._stop_send_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a Content-Length that is not a number, two that differ): 400 in
+        OpenAI's shape, as every other answer, not uvicorn's plain "Invalid HTTP request received."."""
+        message = "malformed HTTP request: its request line or headers are not HTTP/1.1 (h11 refused them)"
+        self._refuse(400, "Bad Request", "invalid_request_error", message, "MALFORMED_REQUEST")
 
     def _headers_late(self) -> None:
         """408 to a request begun and not finished; a connection that sent nothing is closed as

@@ -164,6 +164,9 @@ class RequestTokenizer:
                     f"input {i} is an empty token-id sequence", "EMPTY_INPUT", f"token_ids[{i}].ids", input=i
                 )
             row = np.asarray(ids, dtype=np.int64)
+            # The frame first: another tokenizer's ids (tiktoken's run to 100,256) are named as
+            # such even where one of them is also outside this vocabulary.
+            self._check_frame(row, i)
             bad = np.flatnonzero((row < 0) | (row >= self.vocab_size))
             if bad.size:
                 j = int(bad[0])
@@ -177,7 +180,6 @@ class RequestTokenizer:
                     value=ids[j],
                     vocabularySize=self.vocab_size,
                 )
-            self._check_frame(row, i)
             rows.append(self._cut(row, limit))
         original = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         lengths = np.minimum(original, limit).astype(np.int32)
@@ -192,10 +194,18 @@ class RequestTokenizer:
         without [CLS] and [SEP])."""
         if self.frame is None or (row[0], row[-1]) == self.frame:
             return
+        end = self.frame[1]
+        padded = (
+            f" Ids after {self.tokenizer.token(end)} are taken for padding: send each input's ids "
+            "unpadded (the library's tokenizer.no_padding())."
+            if row[0] == self.frame[0] and end in row[1:-1]
+            else ""
+        )
         raise InvalidInput(
-            f"input {i}: token ids must start with {self.frame_text}, as Tokenize returns them; these "
-            f"start with {row[0]} and end with {row[-1]}. Ids of another tokenizer give wrong vectors: "
-            "send texts (for LangChain's OpenAIEmbeddings, check_embedding_ctx_length=False)",
+            f"input {i}: token ids must start with {self.frame_text}, as the model's tokenizer makes "
+            f"them (gRPC's Tokenize returns them); these start with {row[0]} and end with "
+            f"{row[-1]}.{padded} Ids of another tokenizer give wrong vectors: send texts (for "
+            "LangChain's OpenAIEmbeddings, check_embedding_ctx_length=False)",
             "TOKEN_IDS_NOT_FRAMED",
             f"token_ids[{i}].ids",
             input=i,

@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from tokenizers import Tokenizer as LibraryTokenizer
 
 from minilm_embed.export import parity
 from minilm_embed.export.fp16 import FP16_SKIPPED
@@ -62,7 +63,7 @@ from minilm_embed.model.repository import (
     INT8_FILE,
     WORD_EMBEDDINGS_FILE,
 )
-from minilm_embed.model.tokenizer import pad_batch
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 from minilm_embed.model.weights import (
     DEFAULT_SHA256,
     WEIGHTS_FILE,
@@ -200,10 +201,21 @@ def test_export_writes_a_complete_repository_and_nothing_else(exported):
     out, result = exported
     assert {p.name for p in out.iterdir()} == REPOSITORY_FILES
     assert [p.name for p in out.parent.iterdir()] == ["out"]  # the staging directory is gone
-    tokenizer_file = default_weights_dir() / "tokenizer.json"
-    assert (out / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
     assert result.stdout.rstrip().endswith(f"export: wrote {out} (parity passed)")
     assert "Traceback" not in result.stderr
+
+
+def test_the_repositorys_tokenizer_makes_the_servers_ids(exported):
+    """A caller who makes token ids with the repository's tokenizer.json, as the library reads it,
+    gets the server's: unpadded, cut at 256 (the packaged file pads to 128 and cuts at 128)."""
+    out, _ = exported
+    shipped = LibraryTokenizer.from_file(str(out / "tokenizer.json"))
+    server = Tokenizer(out / "tokenizer.json", 256)
+    texts = ["A man is playing a guitar.", " ".join(["word"] * 300), " ".join(["long"] * 200)]
+    assert [e.ids for e in shipped.encode_batch(texts)] == server.encode(texts).ids
+    assert [len(e.ids) for e in shipped.encode_batch(texts)] == [9, 256, 202]
+    checkpoint = LibraryTokenizer.from_file(str(default_weights_dir() / "tokenizer.json"))
+    assert checkpoint.get_vocab() == shipped.get_vocab()
 
 
 def test_manifest_describes_the_export(exported, manifest, encoder_and_checkpoint):

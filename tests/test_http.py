@@ -243,18 +243,32 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             "invalid_request",
             ["mixes kinds of items: input 0 is a string, input 2 is null"],
         ),
+        # A list that starts with a number is one input of token ids: its odd item is named by position
+        # (was "`input` mixes kinds of items: input 0 is an integer, input 1 is a string").
         (
             {"input": [101, 1.0, [102]]},
             "input",
-            "invalid_request",
-            ["input 0 is an integer, input 2 is a list"],
+            "token_id_not_an_integer",
+            ["input 0: token id at position 1 is a number 1.0, not an integer"],
+        ),
+        (
+            {"input": [101, "a", 102]},
+            "input",
+            "token_id_not_an_integer",
+            ['input 0: token id at position 1 is a string "a", not an integer'],
+        ),
+        (
+            {"input": [[101, None, 102]]},
+            "input",
+            "token_id_not_an_integer",
+            ["input 0: token id at position 1 is null, not an integer"],
         ),
         ({"input": [None]}, "input", "invalid_request", ["input 0 is null; send a list of strings"]),
         (
             {"input": [[101, "x"]]},
             "input",
             "token_id_not_an_integer",
-            ["input 0", "position 1 is a string 'x', not an integer"],
+            ["input 0", 'position 1 is a string "x", not an integer'],
         ),
         (
             {"input": [101, 1.0]},
@@ -266,7 +280,7 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             {"input": [[101], [True]]},
             "input",
             "token_id_not_an_integer",
-            ["input 1", "position 0 is a boolean True"],
+            ["input 1", "position 0 is a boolean true"],
         ),
         (
             {"input": [[101, 2**63]]},
@@ -288,7 +302,7 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             "token_id_out_of_range",
             ["token id -1e+30 at position 1 is outside the vocabulary"],
         ),
-        ({"input": [[101, 999_999]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
+        ({"input": [[101, 999_999, 102]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
         # Bodies past 64 KiB and past 16,384 ids are parsed and checked off the event loop: the same
         # answers, the fault named where it is.
         (
@@ -316,6 +330,13 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             "token_ids_not_framed",
             ["must start with [CLS] (101)", "check_embedding_ctx_length=False"],
         ),
+        # tiktoken's ids run to 100,256: one past this vocabulary is still named as another tokenizer's.
+        (
+            {"input": [[32, 893, 374, 13, 66694, 13]]},
+            "input",
+            "token_ids_not_framed",
+            ["must start with [CLS] (101)", "check_embedding_ctx_length=False"],
+        ),
         ({"input": {"text": "a"}}, "input", "invalid_request", ["an object"]),
         ({"input": "a", "dimensions": 128}, "dimensions", "unsupported_dimensions", ["128", f"{DIMENSIONS}"]),
         # Not "`dimensions` is 384.0, but ... send 384": a number that is not an integer says so.
@@ -329,19 +350,19 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             {"input": "a", "dimensions": "384"},
             "dimensions",
             "invalid_request",
-            ["must be an integer, not a string '384'"],
+            ['must be an integer, not a string "384"'],
         ),
         (
             {"input": "a", "dimensions": True},
             "dimensions",
             "invalid_request",
-            ["must be an integer, not a boolean True"],
+            ["must be an integer, not a boolean true"],
         ),
         (
             {"input": "a", "truncate": "no"},
             "truncate",
             "invalid_request",
-            ["`truncate` must be a boolean, not a string 'no'"],
+            ['`truncate` must be a boolean, not a string "no"'],
         ),
         (
             {"input": "a", "truncate": 0},
@@ -366,14 +387,14 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             {"input": "a", "encoding_format": "hex"},
             "encoding_format",
             "unknown_format",
-            ["'hex'", "float or base64"],
+            ['"hex"', "float or base64"],
         ),
         ({"model": "m"}, "input", "no_inputs", ["`input` is required"]),
         (
             {"input": "a", "priority": "urgent"},
             "priority",
             "unknown_priority",
-            ["`priority` is 'urgent'", "interactive or bulk"],
+            ['`priority` is "urgent"', "interactive or bulk"],
         ),
     ],
 )
@@ -577,6 +598,8 @@ def test_every_answer_carries_the_request_id_given_or_made_up(server):
     assert len(made_up.headers["x-request-id"]) == 32  # a uuid4's hex: the given one was too long
     unauthenticated = httpx.post(url, json={"input": "a"})
     assert unauthenticated.status_code == 401 and unauthenticated.headers["x-request-id"]
+    health = httpx.get(server.http_url + "/health", headers={"x-request-id": "probe-1"})
+    assert health.status_code == 200 and health.headers["x-request-id"] == "probe-1"
 
 
 def test_unknown_paths_and_methods_answer_in_openais_shape_with_allow_and_the_request_id(server):
@@ -596,6 +619,26 @@ def test_unknown_paths_and_methods_answer_in_openais_shape_with_allow_and_the_re
     assert wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "unimplemented"
     assert len(wrong.headers["x-request-id"]) == 32  # none given: a uuid4's hex
+    # Not Starlette's bare 307 to the path without the slash.
+    slash = httpx.post(
+        server.http_url + "/v1/embeddings/", json={"input": "a"}, headers={"x-request-id": "s"}
+    )
+    assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+    assert slash.headers["x-request-id"] == "s"
+
+
+@pytest.mark.parametrize("header", [b"Content-Length: abc", b"Content-Length: 2\r\nContent-Length: 3"])
+def test_a_request_h11_cannot_parse_gets_400_in_openais_shape(server, header):
+    """Not uvicorn's plain-text "Invalid HTTP request received.": JSON, a code, an x-request-id."""
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n{}")
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))  # then closed
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    assert b"x-request-id: " in head.lower()
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "malformed_request" and "malformed HTTP request" in error["message"]
 
 
 def test_truncate_true_or_null_cuts_a_long_input_as_by_default(server, grpc_vectors):

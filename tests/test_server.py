@@ -328,8 +328,9 @@ INVALID = {
     ),
     "another tokenizer's ids (tiktoken's for 'hello world')": (
         pb.EmbedRequest(token_ids=_ids([101, 7592, 2088, 102], [15339, 1917])),
-        r"input 1: token ids must start with \[CLS\] \(101\) and end with \[SEP\] \(102\), as Tokenize "
-        r"returns them; these start with 15339 and end with 1917.*check_embedding_ctx_length=False",
+        r"input 1: token ids must start with \[CLS\] \(101\) and end with \[SEP\] \(102\), as the "
+        r"model's tokenizer makes them \(gRPC's Tokenize returns them\); these start with 15339 and end "
+        r"with 1917. Ids of another.*check_embedding_ctx_length=False",
         "TOKEN_IDS_NOT_FRAMED",
         "token_ids[1].ids",
         {"firstId": "15339", "lastId": "1917", "expectedFirstId": "101", "expectedLastId": "102"},
@@ -340,6 +341,22 @@ INVALID = {
         "TOKEN_IDS_NOT_FRAMED",
         "token_ids[0].ids",
         {"input": "0"},
+    ),
+    # Named as another tokenizer's, not as out of range (what LangChain's users were told before).
+    "another tokenizer's ids, one past this vocabulary": (
+        pb.EmbedRequest(token_ids=_ids([15339, 66694, 1917])),
+        r"input 0: token ids must start with \[CLS\].*check_embedding_ctx_length=False",
+        "TOKEN_IDS_NOT_FRAMED",
+        "token_ids[0].ids",
+        {"firstId": "15339"},
+    ),
+    "ids padded to a fixed length": (
+        pb.EmbedRequest(token_ids=_ids([101, 7592, 102, 0, 0])),
+        r"these start with 101 and end with 0. Ids after \[SEP\] are taken for padding: send each "
+        r"input's ids unpadded",
+        "TOKEN_IDS_NOT_FRAMED",
+        "token_ids[0].ids",
+        {"lastId": "0"},
     ),
     # proto3 keeps an enum value it does not know as its number: answered as floats before.
     "unknown format": (
