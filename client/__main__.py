@@ -306,6 +306,7 @@ def served(info: pb.InfoResponse) -> bulk.Served:
         limits.max_text_chars,
         limits.max_message_bytes,
         limits.queue_limit,
+        info.onnx_sha256,
     )
 
 
@@ -431,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except grpc.RpcError as e:
         report(f"{e.code().name}: {in_flags(e.details() or '')}", e)
+        return 1
+    except bulk.GraphChanged as e:
+        report(str(e), e)
         return 1
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as a Unix tool killed by SIGPIPE does. stdout

@@ -84,8 +84,9 @@ from typing import IO, Any, Generic, Protocol, TypeVar
 import grpc
 import numpy as np
 
-from minilm_embed.client.client import lone_surrogate
+from minilm_embed.client.client import embed_request, lone_surrogate, to_array
 from minilm_embed.client.errors import EmbeddingError, from_rpc_error
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 
 # Refusals that may pass later. A request past its deadline is one: the server drops inputs whose
 # deadline passed before computing them, so sending it again does the work once.
@@ -119,6 +120,11 @@ HINT_SPREAD = 1.5
 
 class InputFileError(Exception):
     """Input that cannot be embedded as given; the message names the file and the line."""
+
+
+class GraphChanged(Exception):
+    """An answer computed by another graph than the job's first (Info's): its vectors and those
+    written are not comparable, so the job stops before writing it."""
 
 
 class OutputFileError(Exception):
@@ -775,6 +781,7 @@ class Served:
     max_text_chars: int = 0
     max_message_bytes: int = 0
     queue_limit: int = 0
+    graph: str = ""  # Info.onnx_sha256: every answer's must be it ("" from a server that says none)
 
     def batch_size(self, job: Job) -> int:
         """At most the server's max_inputs_per_request; at most its queue_limit (a larger request is
@@ -791,9 +798,21 @@ class Served:
 
 
 class Embedder(Protocol):
-    async def embed(
-        self, texts: list[str], normalize: bool = True, *, priority: str = "interactive"
-    ) -> np.ndarray: ...
+    async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse: ...
+
+
+def same_graph(response: pb.EmbedResponse, graph: str) -> np.ndarray:
+    """The answer's vectors, if the graph the job began with computed them. A server restarted with
+    another --precision or model, or replicas that differ behind one address (a rolling redeploy),
+    answer with vectors that look right and are not comparable with those written (int8 against
+    fp32: 0.996-0.999 cosine), so the job stops here rather than write a file of two graphs."""
+    if graph and response.onnx_sha256 and response.onnx_sha256 != graph:
+        raise GraphChanged(
+            f"the server now answers with another graph (onnx_sha256 {response.onnx_sha256[:12]}..., "
+            f"where the job began with {graph[:12]}...: another precision, model or export, a restart "
+            "or a redeploy): vectors of the two are not comparable, so none of the new graph's is written"
+        )
+    return to_array(response)
 
 
 def stdin_bytes() -> IO[bytes]:
@@ -858,12 +877,10 @@ async def run_job(
         written.check_normalized(job.normalize, sink.path)
         stats = Stats(rows=written.rows, resumed=written.rows, on_retry=on_retry)
 
-        def embed_texts(texts: list[str]) -> Awaitable[np.ndarray]:
-            return with_retries(
-                lambda: client.embed(texts, normalize=job.normalize, priority=job.priority),
-                job.backoff,
-                stats,
-            )
+        async def embed_texts(texts: list[str]) -> np.ndarray:
+            request = embed_request(texts, normalize=job.normalize, priority=job.priority)
+            response = await with_retries(lambda: client.embed_response(request), job.backoff, stats)
+            return same_graph(response, served.graph)
 
         if last := skip_written(records, written, name):
             await check_same_input(embed_texts, last, written, name)

@@ -42,9 +42,10 @@ STREAM_ENDED = "the server is shutting down: a request without an answer was not
 # gRPC fails an answer over max_message_bytes once it is made, with no word of which limit (and ends
 # a stream with it): answers are sized first. The wire bytes of an Embedding beyond its floats, at
 # most (its tag and length, the values' or float32_le's, an InputUsage of four fields), of an
-# EmbedResponse beyond its rows (dimensions, total_tokens, timing), and of a Tokens row beyond its ids.
+# EmbedResponse beyond its rows (dimensions, total_tokens, timing, onnx_sha256), and of a Tokens row
+# beyond its ids.
 ROW_OVERHEAD_BYTES = 32
-ANSWER_OVERHEAD_BYTES = 64
+ANSWER_OVERHEAD_BYTES = 160
 TOKENS_ROW_OVERHEAD_BYTES = 32
 SHORTER = ", or shorter texts, or truncate=true"  # what else makes a Tokenize answer fit
 VARINT_STEPS = np.array([1 << 7, 1 << 14, 1 << 21, 1 << 28])  # an id at or past each takes one byte more
@@ -238,6 +239,8 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
             request_id=logs.current_request_id.get(),
         )
         response = _response(await self.embedder.embed(job, held), fmt)
+        if self.info is not None:
+            response.onnx_sha256 = self.info.onnx_sha256
         self._check_size(response, count * (4 * dimensions + ROW_OVERHEAD_BYTES), field)
         return response
 

@@ -240,6 +240,38 @@ def test_a_killed_job_resumes_to_what_an_uninterrupted_one_writes(server, tmp_pa
     assert_close(got, want)
 
 
+def partial_rows(out: Path) -> np.ndarray:
+    """The rows of an unfinished .npy (its magic is not numpy's until the job ends)."""
+    data = bulk.partial_path(out).read_bytes()[len(bulk.npy_header(0, 384)) :]
+    return np.frombuffer(data[: len(data) // 1536 * 1536], dtype="<f4").reshape(-1, 384)
+
+
+def test_a_job_stops_when_another_graph_answers_and_writes_none_of_its_rows(client, model_dir, tmp_path):
+    """The server restarted under a running job with --precision int8 (a redeploy): its answers look
+    right, at cosine 0.996-0.999 to fp32's, and were written after the fp32 rows (exit 0). Now the job
+    stops at the first, named, and the partial output holds the fp32 graph's rows only."""
+    graphs = {g["precision"] for g in json.loads((model_dir / "manifest.json").read_text())["graphs"]}
+    if "int8" not in graphs:
+        pytest.skip("the model repository ships no int8 graph (built without --data-dir)")
+    lines = corpus(3000)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    address = ("--address", f"127.0.0.1:{free_port()}")
+    with serving(*address) as first:
+        job = start_job(first, str(path), "--out", str(out), "--batch-size", "8", "--concurrency", "1")
+        deadline = time.monotonic() + 60
+        while not rows_on_disk(bulk.partial_path(out)) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    with serving(*address, "--precision", "int8"):
+        _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 1, stderr
+    assert "the server now answers with another graph" in stderr and "Traceback" not in stderr
+    rows = partial_rows(out)
+    assert 0 < len(rows) < len(lines)
+    cosines = (rows * client.embed(lines[: len(rows)])).sum(axis=1)  # the module's fp32 server
+    assert cosines.min() >= 0.9999, cosines.argmin()
+
+
 def test_a_text_resumed_against_another_file_of_as_many_lines_is_refused(server, tmp_path):
     """Text input's ids are line numbers, the same in any file: the output's last row is checked
     against its line embedded again. Before, a shuffled file resumed into a mixed output."""

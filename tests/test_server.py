@@ -735,9 +735,13 @@ def test_an_int8_server_says_so_and_names_the_int8_graph(client, model_dir):
     with serving("--precision", "int8") as server, EmbeddingClient(server.address, timeout=60) as c:
         info = c.info()
         int8 = c.embed(SHORT[:8])
+        answered_by = c.embed_response(embed_request(SHORT[:2])).onnx_sha256
     assert info.precision == pb.PRECISION_INT8
     assert info.onnx_sha256 == graphs["int8"]["sha256"] != graphs["fp32"]["sha256"]
     assert client.info().onnx_sha256 == graphs["fp32"]["sha256"]
+    # Each answer names the graph that computed it (a bulk job stops where it changes).
+    assert answered_by == graphs["int8"]["sha256"]
+    assert client.embed_response(embed_request(SHORT[:2])).onnx_sha256 == graphs["fp32"]["sha256"]
     cosines = (int8 * client.embed(SHORT[:8])).sum(axis=1)
     assert cosines.min() >= 0.98  # the int8 gate's floor against fp32 (README)
 
