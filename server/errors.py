@@ -96,6 +96,11 @@ class NotReady(ServiceError):
     reason = "NOT_SERVING"
 
 
+def cut_at_drain(timeout_s: float) -> str:
+    """What a call still open when the drain timeout passes is told (UNAVAILABLE, HTTP 503)."""
+    return f"the server shut down before this call finished (its drain timeout, {timeout_s:g} s, passed)"
+
+
 class Dropped(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_PASSED_IN_QUEUE"

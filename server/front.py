@@ -45,6 +45,7 @@ from minilm_embed.server import __version__, logs, protocol
 from minilm_embed.server.budget import Budget, held_bytes_budget, request_bytes_budget, tokenizing_budget
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedder
+from minilm_embed.server.errors import cut_at_drain
 from minilm_embed.server.health import SERVICE_NAME, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
@@ -191,6 +192,7 @@ def create_http(config: ServerConfig, address: str, embedder: Embedder, manifest
         token,
         config.max_message_bytes,
         config.http_body_timeout_s,
+        config.drain_timeout_s,
     )
     return http_listener(api, reuseport_socket(address), config)
 
@@ -322,8 +324,7 @@ async def drain(
     # UNAVAILABLE (HTTP 503 in OpenAI's shape, Retry-After) naming why: cancelled by uvicorn, an HTTP
     # call got a bare 500 and a 40-line traceback in the log.
     def cut_off() -> None:
-        reason = f"the server shut down before this call finished (its drain timeout, {timeout:g} s, passed)"
-        if waiting := front.engine.engine_gone(reason, "SHUTTING_DOWN"):
+        if waiting := front.engine.engine_gone(cut_at_drain(timeout), "SHUTTING_DOWN"):
             log.warning(
                 "front %d: %d calls still waiting for the engine at the drain timeout (%gs) were answered "
                 "UNAVAILABLE",

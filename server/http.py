@@ -57,6 +57,7 @@ from minilm_embed.server.errors import (
     SlowBody,
     TooLarge,
     Unauthenticated,
+    cut_at_drain,
     internal,
     retry_after_ms,
 )
@@ -207,12 +208,14 @@ class HttpApi:
         token: str | None,
         max_body: int,
         body_timeout_s: float = 30.0,
+        drain_timeout_s: float = 30.0,
     ) -> None:
         self.embedder = embedder
         self.metrics = metrics
         self.card = card
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self._token = token.encode() if token else None
 
     def app(self) -> Starlette:
@@ -322,6 +325,14 @@ class HttpApi:
             log.exception("%s failed", method)
             code = grpc.StatusCode.INTERNAL
             response = error_response(internal())
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still open once the drain timeout passes (a body still coming):
+            # answered as gRPC's calls are then, not with its bare 500, a traceback, and counted OK.
+            code = grpc.StatusCode.CANCELLED
+            if self.embedder.readiness.ready:
+                raise
+            cut = NotReady(cut_at_drain(self.drain_timeout_s), "SHUTTING_DOWN")
+            code, response = cut.code, error_response(cut)
         finally:
             self.metrics.requests.labels(method, code.name).inc()  # before leaving in-flight, as gRPC
             self.metrics.in_flight.dec()

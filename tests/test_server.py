@@ -1184,6 +1184,24 @@ def test_a_call_outlasting_the_drain_timeout_is_answered_unavailable_and_the_log
     assert any("WARNING" in line and cut in line for line in said), said
 
 
+def test_an_http_body_still_coming_at_the_drain_timeout_is_answered_unavailable():
+    """An upload stalled mid-body as the drain timeout passes, which uvicorn then cancels: it got a bare
+    500, a traceback in the log, and was counted OK (an operator's pass)."""
+    head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    with serving("--drain-timeout-s", "1") as server:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
+            sock.sendall(head + b'{"input": ')
+            time.sleep(0.5)  # its body being read
+            server.terminate()
+            answer = b"".join(iter(lambda: sock.recv(65536), b""))
+        assert server.wait(30) == 0
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 503 "), answer[:300]
+    assert b"retry-after: 1\r\n" in status.lower()
+    assert "its drain timeout, 1 s, passed" in json.loads(body)["error"]["message"]
+    assert not [line for line in server.lines if "Exception in ASGI application" in line]
+
+
 def test_sigterm_under_load_finishes_every_accepted_request_and_exits_0(lifecycle, reference):
     server = lifecycle.process
     texts = [" ".join(SHORT[i : i + 4]) for i in range(3)]  # 30 x 3 inputs of ~60 tokens: outlasts the signal
