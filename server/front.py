@@ -500,7 +500,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
         else:
             await drain(front, index)
         if tracer is not None:
-            await asyncio.to_thread(tracer.shutdown)  # export what is buffered (bounded by its timeout)
+            await asyncio.to_thread(tracer.shutdown)  # export what is buffered, for at most FLUSH_S
     except Exception:  # logged here, not sent as a start-up failure: that would end the whole server
         log.exception("front %d: the drain failed", index)
         return 1

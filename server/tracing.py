@@ -20,6 +20,8 @@ engine, end to end is an approximation.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,6 +36,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from minilm_embed.server.embedder import Embedded, EmbedJob
 
 SERVICE_NAME = "embedding-server"  # unless OTEL_SERVICE_NAME (read by the SDK) names the service
+# A stopping front's last export, after its drain: well inside the supervisor's STOP_MARGIN_S (10 s)
+# and the pod's grace beyond the drain (docs/deploy.md).
+FLUSH_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class RequestTracer:
@@ -94,9 +101,19 @@ class RequestTracer:
         span = self.tracer.start_span(name, start_time=start_ns, attributes=attributes)
         span.end(end_time=end_ns)
 
-    def shutdown(self) -> None:
-        """Export what is still buffered."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = FLUSH_S) -> bool:
+        """Export what is still buffered, for at most `timeout_s`; False if that was not enough (the
+        spans left are dropped). A collector that took the connection and never answered held a
+        stopping front for the exporter's own 10 s, past the supervisor's margin: it was killed, and
+        the server exited 1 (an operator's pass)."""
+        flush = threading.Thread(target=self.provider.shutdown, name="trace flush", daemon=True)
+        flush.start()
+        flush.join(timeout_s)
+        if flush.is_alive():
+            log.warning(
+                "traces: the collector had not taken the last spans after %g s: they are dropped", timeout_s
+            )
+        return not flush.is_alive()
 
 
 def _resource() -> Resource:

@@ -37,6 +37,7 @@ from minilm_embed.server.config import AUTO_BATCH_LIMITS, ServerConfig, env_name
 from minilm_embed.server.front import SHUTDOWN_NOTICE_S
 from minilm_embed.server.health import SERVICE_NAME
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.tracing import FLUSH_S
 from tests.server_process import ServerProcess, model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -380,8 +381,9 @@ def test_termination_grace_outlasts_prestop_and_drain(
     assert command[0] == "sleep"
     pre_stop = float(command[1])
     # After SIGTERM a front says NOT_SERVING, waits SHUTDOWN_NOTICE_S for clients' health watches to
-    # move away, and only then gives accepted calls the drain timeout (server/front.py, drain).
-    drain = SHUTDOWN_NOTICE_S + load_config([], flags(docs)).drain_timeout_s
+    # move away, and only then gives accepted calls the drain timeout (server/front.py, drain), then,
+    # with tracing on, the last export of its spans at most FLUSH_S.
+    drain = SHUTDOWN_NOTICE_S + load_config([], flags(docs)).drain_timeout_s + FLUSH_S
     assert pod(docs)["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
     # Liveness must not kill a pod that says NOT_SERVING because it is draining.
     liveness = container["livenessProbe"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import subprocess
 import sys
+import time
 import types
 import urllib.error
 import urllib.request
@@ -288,3 +290,21 @@ def test_a_server_with_an_otlp_endpoint_exports_each_calls_spans_to_the_collecto
         assert collector.spans["model_run"].parent_span_id == server_span.span_id
     finally:
         receiver.stop(None)
+
+
+def test_a_collector_that_never_answers_holds_a_stopping_server_at_most_the_flush_time():
+    """A collector that takes the connection and never answers held each stopping front for the
+    exporter's 10 s, past the supervisor's margin (killed, exit 1, past the pod's grace: an operator's
+    pass). Now the last export is given FLUSH_S (2 s), then its spans are dropped, said in the log."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (the kernel's backlog), never answers
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with serving("--otlp-endpoint", endpoint, "--drain-timeout-s", "1") as server:
+            embed_once(server.address, "never-exported")
+            stopped = time.monotonic()
+            server.terminate()
+            code = server.wait(30)
+            took = time.monotonic() - stopped
+    assert code == 0
+    # The notice (1 s) + the drain with nothing open + FLUSH_S, with room: the exporter's 10 s is not.
+    assert took < 8, took
+    assert any("the collector had not taken the last spans after 2 s" in line for line in server.lines)
