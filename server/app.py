@@ -8,7 +8,7 @@ Fronts talk to the engine over ZeroMQ on a Unix socket (protocol.py). The superv
 gRPC port and the HTTP port (SO_REUSEPORT, so every front can bind them, and port 0 resolves once for
 all), serves /metrics summed over every process (prometheus_client's multiprocess mode), and
 watches its children:
-- SIGTERM or SIGINT: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
+- SIGTERM, SIGINT or SIGHUP: every front drains (NOT_SERVING, accepted calls finish), then the engine stops;
   exit 0. A second one meanwhile (Ctrl-C twice) kills every child at once, cutting the calls in
   flight; exit 128 + its number (130 for SIGINT), as a death by that signal reads in a shell.
 - a front that dies is started again on the same port (capacity never shrinks silently), after a
@@ -698,7 +698,8 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
         code = supervisor.watch()
         if code == 0:
             log.info(
-                "signal received: draining for up to %.0fs (a second signal stops at once)",
+                "%s received: draining for up to %.0fs (a second signal stops at once)",
+                signal.Signals(supervisor.caught[0]).name,
                 supervisor.config.drain_timeout_s,
             )
     except BaseException:  # a child that cannot start, or a bug here: no child outlives the server

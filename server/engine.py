@@ -319,8 +319,8 @@ def run_engine(
     stop the engine while fronts still drain their accepted calls onto it. The supervisor closes
     `stop_when` after the fronts have stopped, and its end (a crash included) closes it too.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     name_process("embed-engine")
     logs.configure(config.log_level, config.log_format)  # a spawned process starts unconfigured
     dump_stacks_on_signal()

@@ -515,7 +515,9 @@ TERMINATED = threading.Event()
 def run_front(config: ServerConfig, place: Place) -> None:
     """A front process's main (multiprocessing target)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: TERMINATED.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor decides
+    # Ctrl-C and a closed terminal's SIGHUP reach the whole group: the supervisor decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     name_process(f"embed-front-{place.index}")
     configure_logging(config)
     dump_stacks_on_signal()

@@ -1291,6 +1291,23 @@ def test_a_second_stop_signal_after_the_fronts_stopped_cuts_nothing_and_exits_0(
     assert not [line for line in server.lines if "are cut" in line or "did not stop in time" in line]
 
 
+def test_sighup_drains_as_sigterm_does_and_the_children_ignore_it():
+    """A closed terminal's SIGHUP, which reaches every process of its group: the supervisor died of it
+    at once (exit 129, its calls cut, not a word logged) and a front would have. Now the children
+    ignore it and the supervisor drains, says which signal, and exits 0."""
+    with serving() as server:
+        children = [server.engine_pid, *server.front_pids()]
+        for pid in children:
+            os.kill(pid, signal.SIGHUP)
+        time.sleep(0.5)
+        assert server.health() == health_pb2.HealthCheckResponse.SERVING
+        assert [server.engine_pid, *server.front_pids()] == children  # none died, none restarted
+        server.proc.send_signal(signal.SIGHUP)
+        code = server.wait(30)
+    assert code == 0, "".join(server.lines[-20:])
+    assert any("SIGHUP received: draining for up to" in line for line in server.lines)
+
+
 def test_a_killed_supervisors_children_stop_at_once_and_its_directory_goes_with_the_next_start(tmp_path):
     """An operator's pass killed the supervisor (kill -9, as the OOM killer would). Its fronts drained
     as usual, a second of notice first, though the engine had stopped with it: a server started again
