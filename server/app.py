@@ -407,13 +407,20 @@ class Supervisor:
             children.append((whose, front, self.front_beats[index], logging.ERROR))
         for name, process, beat, level in children:
             if self._silent(beat, now) > limit:
+                # A stopped process (SIGSTOP, a debugger) cannot take the dump's signal: not promised.
+                dump = (
+                    "it is stopped (SIGSTOP?): no stack dump can come"
+                    if _stopped(process)
+                    else "its threads' stacks are dumped to the log"
+                )
                 log.log(
                     level,
                     "%s event loop has not run for %.0fs, over --liveness-timeout-s %g: taken as frozen; "
-                    "its threads' stacks are dumped to the log, then it is killed",
+                    "%s, then it is killed",
                     name,
                     now - beat.value,
                     limit,
+                    dump,
                 )
                 beat.value = 0.0
                 _dump_then_kill(process)
@@ -559,6 +566,15 @@ def _dump_then_kill(process: BaseProcess) -> None:
     _signal(process, DUMP_SIGNAL)
     process.join(DUMP_WAIT_S)  # the dump's time (a stopped process cannot take it: it is killed all the same)
     process.kill()
+
+
+def _stopped(process: BaseProcess) -> bool:
+    """Whether the process is stopped (state T: SIGSTOP; t: a debugger's)."""
+    try:
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
 
 def _signal(process: BaseProcess, signum: int) -> None:

@@ -186,6 +186,8 @@ def test_a_frozen_front_is_killed_and_started_again(model_dir: Path) -> None:
         said = [line for line in server.lines if "taken as frozen" in line]
         assert len(said) == 1 and f"front 0 (pid {frozen}): its event loop has not run for" in said[0], said
         assert "over --liveness-timeout-s 5" in said[0]
+        # A stopped process takes no signal but SIGKILL: no stack dump is promised (one was, none came).
+        assert "it is stopped (SIGSTOP?): no stack dump can come, then it is killed" in said[0], said
         assert restarts(server) == 1
         with EmbeddingClient(server.address, timeout=60) as client:
             vector = client.embed([SENTENCE])
