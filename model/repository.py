@@ -267,6 +267,8 @@ class ModelRepository:
 def read_manifest(directory: Path) -> Manifest:
     """manifest.json, version-checked and typed; every problem is one line naming the file."""
     path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise ModelRepositoryError(f"{directory}: no such directory; {_how_to_build(directory)}")
     if not path.is_file():
         raise ModelRepositoryError(f"{path}: missing; {_how_to_build(directory)}")
     try:

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
     from minilm_embed.model.repository import ModelRepositoryError
     from minilm_embed.server import logs
     from minilm_embed.server.app import StartupError, configure_process, serve
-    from minilm_embed.server.config import ConfigError, load_config, requested_log_format
+    from minilm_embed.server.config import ConfigError, env_name, load_config, requested_log_format
     from minilm_embed.server.security import SecurityConfigError
 
     log_format = requested_log_format(argv, os.environ)
@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None, backend_factory: BackendFactory | None =
         log_format = config.log_format
         configure_process(config)
         return serve(config, backend_factory, os.environ)
-    except (ConfigError, ModelRepositoryError, SecurityConfigError, StartupError, ValueError, OSError) as e:
+    except ModelRepositoryError as e:  # the supervisor reads the repository --model-dir names
+        logs.refusal(f"server: error: --model-dir ({env_name('model_dir')}): {e}", log_format)
+        return 2
+    except (ConfigError, SecurityConfigError, StartupError, ValueError, OSError) as e:
         logs.refusal(f"server: error: {e}", log_format)
         return 2
 

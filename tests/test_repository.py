@@ -76,7 +76,8 @@ def test_server_refuses_another_manifest_version_naming_both(edited, version, ad
     done = serve(directory)
     assert done.returncode == 2
     assert done.stderr == (
-        f"server: error: {directory / MANIFEST_FILE}: manifest_version {version}, but this code reads "
+        f"server: error: --model-dir (EMBED_MODEL_DIR): {directory / MANIFEST_FILE}: "
+        f"manifest_version {version}, but this code reads "
         f"manifest_version {MANIFEST_VERSION}; {advice}\n"
     )
 
@@ -149,6 +150,14 @@ def test_serving_a_training_checkpoint_says_to_export_it(tmp_path):
 def test_serving_an_empty_directory_says_how_to_build_a_repository(tmp_path):
     done = serve(tmp_path)
     assert done.returncode == 2 and "manifest.json: missing; build the model repository" in done.stderr
+    # The setting named, as every start-up refusal names its flag and variable.
+    assert done.stderr.startswith(f"server: error: --model-dir (EMBED_MODEL_DIR): {tmp_path}/manifest.json")
+
+
+def test_serving_a_directory_that_does_not_exist_says_so(tmp_path):
+    done = serve(tmp_path / "nowhere")
+    assert done.returncode == 2, done.stderr
+    assert f"--model-dir (EMBED_MODEL_DIR): {tmp_path / 'nowhere'}: no such directory; build" in done.stderr
 
 
 def test_a_directory_without_a_manifest_is_refused_before_any_port_is_taken(tmp_path):
