@@ -12,10 +12,11 @@ import difflib
 import itertools
 import math
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
+from urllib.parse import urlsplit
 
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
 from minilm_embed.server import __version__
@@ -78,6 +79,26 @@ def listen_address(text: str) -> ListenAddress:
     if not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"the port must be a number from 0 to 65535, not {port!r}")
     return ListenAddress(host or "0.0.0.0", int(port))
+
+
+def otlp_endpoint_problem(text: str) -> str | None:
+    """What keeps `text` from being an endpoint the exporter (server/tracing.py) reads as meant,
+    http(s)://host[:port], the scheme saying plaintext or TLS: it takes any text and only fails once
+    serving, resolving it. None for such an endpoint."""
+    want = "http://host:port (plaintext) or https://host:port (TLS)"
+    try:
+        url = urlsplit(text)
+    except ValueError as e:  # an unclosed IPv6 bracket
+        return f" is not a URL ({e}): give the OTLP/gRPC collector as {want}"
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return f" is not an http:// or https:// URL with a host: give the OTLP/gRPC collector as {want}"
+    try:
+        url.port  # noqa: B018 (raises ValueError for a port that is no number or past 65535)
+    except ValueError:
+        return ": the port must be a number from 0 to 65535"
+    if url.path.strip("/") or url.query or url.fragment:
+        return f": OTLP/gRPC takes no path (the exporter would drop it): give {url.scheme}://{url.netloc}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -193,6 +214,7 @@ class ServerConfig:
                 raise ValueError(f"{setting(name)} must be at least 1, not {getattr(self, name)}")
         self._check_bounds()
         self._check_choices()
+        self._check_otlp_endpoint()
 
     def _check_bounds(self) -> None:
         if self.max_request_bytes_in_flight < self.max_message_bytes:
@@ -245,6 +267,12 @@ class ServerConfig:
             if (value.upper() if name == "log_level" else value) not in allowed:
                 named = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
                 raise ValueError(f"{setting(name)} must be {named}, not {value!r}")
+
+    def _check_otlp_endpoint(self) -> None:
+        if self.otlp_endpoint:  # empty: tracing off
+            problem = otlp_endpoint_problem(self.otlp_endpoint)
+            if problem:
+                raise ValueError(f"{setting('otlp_endpoint')} {self.otlp_endpoint!r}{problem}")
 
     def _read_listen_addresses(self) -> None:
         """Each address checked and written one way (host:port, [v6]:port), and no port asked twice."""
@@ -389,11 +417,25 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-def _from_env(environ: Mapping[str, str], env: str, kind: type) -> Any:
-    try:
-        return kind(environ[env])
-    except ValueError:
-        raise ConfigError(f"{env}={environ[env]!r} is not a valid {kind.__name__}") from None
+def _wanted(name: str, kind: type) -> str:
+    """What a setting's text must be, in a user's words: a whole number, a number of seconds."""
+    if kind is int:
+        return "a whole number"
+    units = {"_s": " of seconds", "_ms": " of milliseconds"}
+    return "a number" + next((words for end, words in units.items() if name.endswith(end)), "")
+
+
+def _reader(name: str, kind: type) -> Callable[[str], Any]:
+    """`kind` read from a flag's or its variable's text; text it cannot read is a ConfigError naming
+    both and the text, one message whichever gave it (argparse's said `invalid int value`)."""
+
+    def read(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{setting(name)} must be {_wanted(name, kind)}, not {text!r}") from None
+
+    return read
 
 
 PROG = "minilm-embed-serve"
@@ -413,12 +455,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     defaults = ServerConfig()
     for f in dataclasses.fields(ServerConfig):
         default = getattr(defaults, f.name)
-        kind = type(default)
+        read = _reader(f.name, type(default))
         env = env_name(f.name)
-        value = _from_env(environ, env, kind) if env in environ else default
+        value = read(environ[env]) if env in environ else default
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=kind,
+            type=read,  # its ConfigError passes argparse, which would say `invalid read value`
             default=value,
             help=f"{_HELP[f.name]} [env {env}, default {default}]",
         )

@@ -27,26 +27,37 @@ PROTECTED_PREFIX = f"/{SERVICE_NAME}/"
 
 
 class SecurityConfigError(ConfigError):
-    """A TLS or token setting that cannot be used; the message names the setting or the file."""
+    """A TLS or token setting that cannot be used; the message names the setting and its file."""
 
 
-def _read(path: str, what: str) -> bytes:
+def _read(path: str, name: str, what: str) -> bytes:
+    """The file a setting (`name`) names; one that cannot be read is refused naming the setting."""
     try:
         return Path(path).read_bytes()
     except OSError as e:
-        raise SecurityConfigError(f"{path}: cannot read the {what} ({e.strerror})") from e
+        raise SecurityConfigError(f"{setting(name)} {path}: cannot read the {what} ({e.strerror})") from e
 
 
 def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials | None:
     """TLS when a certificate is given; with a client CA, clients must present a certificate it signed."""
     if not cert and not key:
         if client_ca:
-            raise SecurityConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+            raise SecurityConfigError(
+                f"{setting('tls_client_ca')} {client_ca} needs {setting('tls_cert')} and "
+                f"{setting('tls_key')} too: client certificates are asked for in the TLS handshake"
+            )
         return None
     if not (cert and key):
-        raise SecurityConfigError("TLS needs both --tls-cert and --tls-key")
-    pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
-    roots = _read(client_ca, "client CA") if client_ca else None
+        given, missing = ("tls_cert", "tls_key") if cert else ("tls_key", "tls_cert")
+        raise SecurityConfigError(
+            f"TLS needs both --tls-cert and --tls-key: {setting(given)} {cert or key} is set, "
+            f"{setting(missing)} is not"
+        )
+    # The certificate read first: with both missing, the one a user gives first is reported.
+    chain = _read(cert, "tls_cert", "TLS certificate")
+    private_key = _read(key, "tls_key", "TLS key")
+    pair = (private_key, chain)
+    roots = _read(client_ca, "tls_client_ca", "client CA") if client_ca else None
     _check_tls(cert, key, client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=roots is not None)
 
@@ -87,15 +98,18 @@ def load_token(token: str, token_file: str) -> str | None:
     """The bearer token, from the setting or its file; one no header can carry (every call would be
     UNAUTHENTICATED) is refused naming where it came from, never printing it."""
     if token and token_file:
-        raise SecurityConfigError("give the auth token either directly or as a file, not both")
+        raise SecurityConfigError(
+            f"give the auth token either directly or as a file, not both: {setting('auth_token')} and "
+            f"{setting('auth_token_file')} {token_file} are both set"
+        )
     where = f"{setting('auth_token_file')} {token_file}" if token_file else setting("auth_token")
     if token_file:
         try:
-            token = _read(token_file, "auth token file").decode("utf-8").strip()
+            token = _read(token_file, "auth_token_file", "auth token file").decode("utf-8").strip()
         except UnicodeDecodeError:
             raise SecurityConfigError(f"{where}: not UTF-8 text") from None
         if not token:
-            raise SecurityConfigError(f"{token_file}: the auth token file is empty")
+            raise SecurityConfigError(f"{where}: the auth token file is empty")
     if token and not BEARER_TOKEN.fullmatch(token):
         raise SecurityConfigError(
             f"{where}: the token holds what no header can carry (a line break, a control character, "

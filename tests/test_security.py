@@ -396,10 +396,10 @@ def test_the_token_never_appears_in_the_server_log(tls_server, mtls_server, pki)
 
 MISCONFIGURED = {
     "empty-token-file": ({"auth_token_file": "{empty}"}, "the auth token file is empty"),
-    "missing-token-file": ({"auth_token_file": "{missing}"}, "cannot read the auth token file"),
+    "missing-token-file": ({"auth_token_file": "{missing}"}, "cannot read the auth token file (No such"),
     "token-twice": ({"auth_token": TOKEN, "auth_token_file": "{token}"}, "either directly or as a file"),
-    "cert-without-key": ({"tls_cert": "{cert}"}, "TLS needs both --tls-cert and --tls-key"),
-    "client-ca-alone": ({"tls_client_ca": "{ca}"}, "--tls-client-ca needs --tls-cert and --tls-key"),
+    "cert-without-key": ({"tls_cert": "{cert}"}, "TLS needs both --tls-cert and --tls-key: --tls-cert"),
+    "client-ca-alone": ({"tls_client_ca": "{ca}"}, "needs --tls-cert (EMBED_TLS_CERT) and --tls-key"),
 }
 
 

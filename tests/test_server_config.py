@@ -41,6 +41,7 @@ SPECIAL = {
     "address": ("127.0.0.1:50061", "[::1]:50071"),
     "http_address": ("127.0.0.1:8081", "0.0.0.0:8082"),
     "metrics_address": ("127.0.0.1:9465", "[::]:9466"),
+    "otlp_endpoint": ("http://collector-from-env:4317", "https://collector-from-flag:4317"),
 }
 FLOATS = [name for name in FIELDS if isinstance(getattr(ServerConfig(), name), float)]
 
@@ -103,9 +104,8 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         ),
         ([], {"EMBED_LOG_LEVEL": "loud"}, "must be DEBUG, INFO, WARNING or ERROR, not 'loud'"),
         ([], {"EMBED_DEVICE": "tpu"}, "--device (EMBED_DEVICE) must be auto, cuda or cpu, not 'tpu'"),
-        (["--max-batch-size", "many"], {}, "argument --max-batch-size: invalid int value: 'many'"),
+        (["--max-batch-size", "many"], {}, "--max-batch-size (EMBED_MAX_BATCH_SIZE) must be a whole number"),
         (["--no-such-flag", "1"], {}, "unrecognized arguments: --no-such-flag 1"),
-        ([], {"EMBED_MAX_BATCH_SIZE": "many"}, "EMBED_MAX_BATCH_SIZE"),
         # A stream with no room for one unanswered item would never answer anything.
         (
             ["--max-stream-in-flight", "0"],
@@ -207,7 +207,10 @@ HELP_POINTER = "(`minilm-embed-serve --help` lists every setting)"
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--max-batch-size", "many"], "argument --max-batch-size: invalid int value: 'many'"),
+        (
+            ["--max-batch-size", "many"],
+            "--max-batch-size (EMBED_MAX_BATCH_SIZE) must be a whole number, not 'many'",
+        ),
         (["--max-batch-size"], "argument --max-batch-size: expected one argument"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--queue-limit", "0"], "--queue-limit (EMBED_QUEUE_LIMIT) must be at least 1, not 0"),
@@ -217,6 +220,46 @@ def test_a_bad_flag_is_one_line_naming_it_and_pointing_to_help_not_the_whole_usa
     """argparse printed its usage, all 38 flags in 35 lines, above the one line that said what was
     wrong; a value the settings refuse named the field (queue_limit), not the flag."""
     assert refused_at_start(*args) == f"{message} {HELP_POINTER}"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("queue_limit", "abc", "--queue-limit (EMBED_QUEUE_LIMIT) must be a whole number, not 'abc'"),
+        (
+            "max_batch_size",
+            "2.5",
+            "--max-batch-size (EMBED_MAX_BATCH_SIZE) must be a whole number, not '2.5'",
+        ),
+        (
+            "drain_timeout_s",
+            "20s",
+            "--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a number of seconds, not '20s'",
+        ),
+        (
+            "max_queue_delay_ms",
+            "2ms",
+            "--max-queue-delay-ms (EMBED_MAX_QUEUE_DELAY_MS) must be a number of milliseconds, not '2ms'",
+        ),
+        ("max_padding", "half", "--max-padding (EMBED_MAX_PADDING) must be a number, not 'half'"),
+    ],
+)
+def test_a_number_that_cannot_be_read_is_one_message_from_the_flag_or_the_variable(
+    name, text, message, capsys
+):
+    """The variable's said `EMBED_QUEUE_LIMIT='abc' is not a valid int`, naming no flag; the flag's,
+    argparse's `invalid int value`: Python's type names, two ways."""
+    expected = f"{message} {HELP_POINTER}"
+    assert refusal([flag(name), text], {}, capsys) == expected
+    assert refusal([], {env_name(name): text}, capsys) == expected
+
+
+def test_a_variable_the_server_cannot_read_is_refused_at_start_as_its_flag_would_be():
+    line = refused_at_start(env={"EMBED_DRAIN_TIMEOUT_S": "20s"})
+    assert (
+        line
+        == f"--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a number of seconds, not '20s' {HELP_POINTER}"
+    )
 
 
 def test_help_still_lists_every_flag_and_exits_0():
@@ -500,6 +543,60 @@ def test_an_infinite_drain_timeout_is_refused_by_the_server_without_a_traceback(
     assert line.startswith("--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be a finite number, not inf")
 
 
+# Traces ---------------------------------------------------------------------------------------------
+
+
+OTLP = "--otlp-endpoint (EMBED_OTLP_ENDPOINT)"
+WANT_URL = "give the OTLP/gRPC collector as http://host:port (plaintext) or https://host:port (TLS)"
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("notaurl", f" is not an http:// or https:// URL with a host: {WANT_URL}"),
+        # What the exporter would take as a TLS target, where the docs say the scheme decides.
+        ("otel-collector:4317", f" is not an http:// or https:// URL with a host: {WANT_URL}"),
+        ("grpc://otel-collector:4317", f" is not an http:// or https:// URL with a host: {WANT_URL}"),
+        ("http://:4317", f" is not an http:// or https:// URL with a host: {WANT_URL}"),
+        ("http://[::1:4317", f" is not a URL (Invalid IPv6 URL): {WANT_URL}"),
+        ("http://otel-collector:43l7", ": the port must be a number from 0 to 65535"),
+        ("http://otel-collector:70000", ": the port must be a number from 0 to 65535"),
+        # OTLP/HTTP's traces path: the gRPC exporter would drop it and speak gRPC to the HTTP port.
+        (
+            "http://otel-collector:4318/v1/traces",
+            ": OTLP/gRPC takes no path (the exporter would drop it): give http://otel-collector:4318",
+        ),
+    ],
+)
+def test_an_otlp_endpoint_that_is_no_http_url_is_refused_naming_it(value, problem, capsys):
+    """`notaurl` was taken, and the server served: tracing's only sign was a warning, once serving,
+    that "notaurl" did not resolve."""
+    expected = f"{OTLP} {value!r}{problem} {HELP_POINTER}"
+    assert refusal(["--otlp-endpoint", value], {}, capsys) == expected
+    assert refusal([], {"EMBED_OTLP_ENDPOINT": value}, capsys) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "http://otel-collector:4317",
+        "https://otel-collector:4317/",
+        "HTTP://127.0.0.1:4317",
+        "http://[::1]:4317",
+    ],
+)
+def test_an_otlp_endpoint_the_exporter_reads_passes_and_empty_is_tracing_off(value):
+    assert load_config([], {"EMBED_OTLP_ENDPOINT": value}).otlp_endpoint == value
+
+
+def test_an_otlp_endpoint_that_is_no_url_is_refused_by_the_server_at_start():
+    line = refused_at_start(env={"EMBED_OTLP_ENDPOINT": "notaurl"})
+    assert (
+        line == f"{OTLP} 'notaurl' is not an http:// or https:// URL with a host: {WANT_URL} {HELP_POINTER}"
+    )
+
+
 # TLS files ------------------------------------------------------------------------------------------
 
 
@@ -545,6 +642,56 @@ def test_a_tls_key_not_matching_its_certificate_is_refused_by_the_server(tls_fil
     assert line.startswith(f"--tls-key (EMBED_TLS_KEY) {tls_files['two.key']} does not match --tls-cert")
 
 
+def refused_security(**settings: str) -> str:
+    from minilm_embed.server.app import check_security
+
+    with pytest.raises(ConfigError) as e:
+        check_security(ServerConfig(**settings))
+    return str(e.value)
+
+
+NO_FILE = "(No such file or directory)"
+
+
+def test_tls_files_that_cannot_be_read_are_refused_naming_the_setting_the_certificate_first(
+    tls_files, tmp_path
+):
+    """A missing certificate and key once reported the key, by its path alone, naming no setting."""
+    cert, key, ca = tmp_path / "nope.pem", tmp_path / "nope.key", tmp_path / "nope-ca.pem"
+    assert refused_security(tls_cert=str(cert), tls_key=str(key)) == (
+        f"--tls-cert (EMBED_TLS_CERT) {cert}: cannot read the TLS certificate {NO_FILE}"
+    )
+    assert refused_security(tls_cert=str(tls_files["one.pem"]), tls_key=str(key)) == (
+        f"--tls-key (EMBED_TLS_KEY) {key}: cannot read the TLS key {NO_FILE}"
+    )
+    good = {"tls_cert": str(tls_files["one.pem"]), "tls_key": str(tls_files["one.key"])}
+    assert refused_security(**good, tls_client_ca=str(ca)) == (
+        f"--tls-client-ca (EMBED_TLS_CLIENT_CA) {ca}: cannot read the client CA {NO_FILE}"
+    )
+
+
+def test_half_a_tls_setting_is_refused_naming_what_is_set_and_what_is_not(tmp_path):
+    cert, key, ca = tmp_path / "a.pem", tmp_path / "a.key", tmp_path / "ca.pem"
+    assert refused_security(tls_cert=str(cert)) == (
+        f"TLS needs both --tls-cert and --tls-key: --tls-cert (EMBED_TLS_CERT) {cert} is set, "
+        "--tls-key (EMBED_TLS_KEY) is not"
+    )
+    assert refused_security(tls_key=str(key)) == (
+        f"TLS needs both --tls-cert and --tls-key: --tls-key (EMBED_TLS_KEY) {key} is set, "
+        "--tls-cert (EMBED_TLS_CERT) is not"
+    )
+    assert refused_security(tls_client_ca=str(ca)) == (
+        f"--tls-client-ca (EMBED_TLS_CLIENT_CA) {ca} needs --tls-cert (EMBED_TLS_CERT) and --tls-key "
+        "(EMBED_TLS_KEY) too: client certificates are asked for in the TLS handshake"
+    )
+
+
+def test_missing_tls_files_are_refused_by_the_server_at_start_naming_the_certificate(tmp_path):
+    cert, key = tmp_path / "nope.pem", tmp_path / "nope.key"
+    line = refused_at_start(env={"EMBED_TLS_CERT": str(cert), "EMBED_TLS_KEY": str(key)})
+    assert line == f"--tls-cert (EMBED_TLS_CERT) {cert}: cannot read the TLS certificate {NO_FILE}"
+
+
 def test_matching_tls_files_pass(tls_files):
     from minilm_embed.server.app import check_security
 
@@ -575,6 +722,35 @@ def test_a_token_file_no_header_can_carry_is_refused_naming_the_file(tmp_path, c
         check_security(ServerConfig(auth_token_file=str(path)))
     assert str(e.value).startswith(f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {path}: ")
     assert "s3cret" not in str(e.value)
+
+
+def test_a_token_file_that_cannot_be_read_or_is_empty_is_refused_naming_the_setting(tmp_path):
+    """A missing one once gave `/nope: cannot read the auth token file`, naming no setting."""
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.write_text("\n")
+    assert refused_security(auth_token_file=str(missing)) == (
+        f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {missing}: cannot read the auth token file {NO_FILE}"
+    )
+    assert refused_security(auth_token_file=str(empty)) == (
+        f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {empty}: the auth token file is empty"
+    )
+
+
+def test_a_token_given_both_ways_is_refused_naming_both_settings_but_not_the_token(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(SECRET)
+    assert refused_security(auth_token=SECRET, auth_token_file=str(path)) == (
+        "give the auth token either directly or as a file, not both: --auth-token (EMBED_AUTH_TOKEN) "
+        f"and --auth-token-file (EMBED_AUTH_TOKEN_FILE) {path} are both set"
+    )
+
+
+def test_a_token_file_that_cannot_be_read_is_refused_by_the_server_at_start(tmp_path):
+    path = tmp_path / "nope"
+    line = refused_at_start(env={"EMBED_AUTH_TOKEN_FILE": str(path)})
+    assert (
+        line == f"--auth-token-file (EMBED_AUTH_TOKEN_FILE) {path}: cannot read the auth token file {NO_FILE}"
+    )
 
 
 def test_a_token_file_that_is_not_utf8_is_refused_naming_the_file(tmp_path):
