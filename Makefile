@@ -20,7 +20,7 @@ LINT_PATHS := model export server client bench tests scripts
 TYPED_PACKAGES := model export server client
 TYPECHECK_ROOT := .mypy_cache/packages
 
-.PHONY: install proto model serve test checks lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-low-precision bench-front bench-gpu bench-batcher soak clean
+.PHONY: FORCE install proto model serve test checks lint typecheck rules check-deploy k8s image lock bench bench-model bench-server bench-low-precision bench-front bench-gpu bench-batcher soak clean
 
 install: $(STAMP)
 
@@ -41,8 +41,16 @@ $(PROTO_OUT): $(PROTO_SRC) scripts/generate_stubs.py $(STAMP)
 
 model: $(MODEL_DIR)/manifest.json
 
-$(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt $(if $(WEIGHTS),$(WEIGHTS)/model.safetensors)
+# Rebuilt too when MODEL_DIR was exported from other weights than WEIGHTS: make compares only times,
+# so weights older than the repository (trained before another checkpoint was exported there) were
+# served as that other model (an acceptance pass).
+EXPORTED_FROM = $(shell $(BIN)/python -c 'import json, os, sys; print(os.path.realpath(json.load(open(sys.argv[1]))["source"]))' $(MODEL_DIR)/manifest.json 2>/dev/null)
+MODEL_FROM_OTHER_WEIGHTS := $(if $(WEIGHTS),$(if $(filter-out $(EXPORTED_FROM),$(realpath $(WEIGHTS))),FORCE))
+
+$(MODEL_DIR)/manifest.json: $(STAMP) $(wildcard model/*.py export/*.py) export/parity_sentences.txt $(if $(WEIGHTS),$(WEIGHTS)/model.safetensors) $(MODEL_FROM_OTHER_WEIGHTS)
 	$(BIN)/python -m minilm_embed.export --out $(MODEL_DIR) $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DATA_DIR),--data-dir $(DATA_DIR))
+
+FORCE:
 
 # SERVE_FLAGS: any server flags, e.g. SERVE_FLAGS="--address 127.0.0.1:50052 --http-address 127.0.0.1:8081"
 # (the EMBED_* variables work too: no flag here overrides them but --model-dir).

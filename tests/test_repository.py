@@ -5,6 +5,7 @@ graph that is missing or changed) stops `minilm-embed-serve` with one line and e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -175,3 +176,24 @@ def test_a_directory_without_a_manifest_is_refused_before_any_port_is_taken(tmp_
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.startswith("server: error: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.parametrize(("exported_from", "rebuilt"), [("other", True), ("weights", False)])
+def test_make_model_rebuilds_a_repository_exported_from_other_weights(tmp_path, exported_from, rebuilt):
+    """make compares only times: `make serve WEIGHTS=B MODEL_DIR=M` served A, which M was exported
+    from after B was trained (an acceptance pass). The repository's manifest names its weights."""
+    weights, other, repository = tmp_path / "weights", tmp_path / "other", tmp_path / "repository"
+    for directory in (weights, other, repository):
+        directory.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
+    os.utime(weights / "model.safetensors", (1e9, 1e9))  # older than the repository
+    source = {"other": other, "weights": weights}[exported_from]
+    (repository / "manifest.json").write_text(json.dumps({"source": str(source)}))
+    planned = subprocess.run(
+        ["make", "-n", "model", f"WEIGHTS={weights}", f"MODEL_DIR={repository}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert (f"minilm_embed.export --out {repository} --weights {weights}" in planned) == rebuilt, planned
