@@ -41,7 +41,9 @@ Embed a file of texts into a file of vectors: output row i is input line i.
 Input: path (- for standard input), UTF-8, one text per line, split at "\\n"
 only ("\\r\\n" accepted); with --jsonl, one {"id": ..., "text": "..."} object per
 line. An empty line is refused by its number (skipped, it would move every later
-row off its line); a line of spaces is a text. A .csv or .tsv is refused.
+row off its line); a line of spaces is a text. A .csv or .tsv is refused, and a
+.jsonl or .json without --jsonl. Numeric ids are read as float64 or ints (give
+ids as strings to keep them exact); one past float64 (1e400) is refused.
 
 Output, by the suffix of --out:
   .npy    float32 [rows, dimensions]; with --jsonl the ids go beside it, one per
@@ -58,9 +60,11 @@ the output left as it was. A job that fails before its first row leaves no file.
 
 Requests refused as busy (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED)
 are retried for --retry-for seconds: after the wait the server's refusal asks
-for, up to half as long again, or else with exponential backoff. Requests are
-kept within the server's limits; a line over its max_text_chars ends the job,
-naming the line, after every row before it is written.
+for, up to half as long again, or else with exponential backoff. A TLS handshake
+that fails is not retried. Requests are kept within the server's limits, read
+at the start; a line over its max_text_chars ends the job, naming the line,
+after every row before it is written, and a request refused for a limit that
+is lower now ends it too: run it again with --resume.
 """
 
 
@@ -329,9 +333,17 @@ class RetryNotice:
             self.said_at = now
             print(
                 f"client: {self.address}: {error.code().name}: {error.details()}; retrying each request "
-                f"for up to {self.backoff.for_s:.0f} s (--retry-for); {self.count} retried so far",
+                f"{self.bound()}; {self.count} retried so far",
                 file=sys.stderr,
             )
+
+    def bound(self) -> str:
+        """How long a request is retried, as the flags that bound it say."""
+        if self.backoff.retries is None:
+            return f"for up to {self.backoff.for_s:.0f} s (--retry-for)"
+        times = plural(self.backoff.retries, "time")
+        seconds = f"{self.backoff.for_s:.0f} s"
+        return f"up to {times} or for {seconds}, whichever ends first (--retries, --retry-for)"
 
 
 async def embed_file(
@@ -433,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         report(f"{e.code().name}: {in_flags(e.details() or '')}", e)
         return 1
-    except bulk.GraphChanged as e:
+    except (bulk.GraphChanged, bulk.LimitsChanged) as e:
         report(str(e), e)
         return 1
     except BrokenPipeError:

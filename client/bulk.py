@@ -28,21 +28,27 @@ a finished one. A job that fails or is killed leaves `<out>.partial`, and its me
 job that fails before its first row is written leaves no file. No file a job writes may be its input.
 
 CSV is not read as columns: a header or a quoted newline would become rows of their own, so a `.csv`
-or `.tsv` input is refused (give JSONL instead, or one text per line).
+or `.tsv` input is refused (give JSONL instead, or one text per line). A `.jsonl` or `.json` input
+without `jsonl` is refused too: each row would be the vector of a line's JSON. JSON numbers are read as
+Python's json reads them (ints, float64); one past float64 (1e400, read as inf) is refused at its line,
+as NaN and Infinity are, since written back it would not be JSON.
 
 Before the first request the job learns the server's limits from its Info: requests hold at most
 `max_inputs_per_request` texts and at most `queue_limit` (a larger request can never be admitted; any
 up to it fits an empty queue, bulk or not), half `max_message_bytes` of text and as many rows as one
 answer of `max_message_bytes` holds (that matters only on a server run with a lower limit), and a
 line over `max_text_chars`, or too large for any request, ends the job naming its line, as any bad
-line does, after every row before it is written.
+line does, after every row before it is written. A request refused later for one of those limits
+(the server restarted with lower ones) ends the job (LimitsChanged): a resume reads them again.
 
-Rows are written in input order as soon as they and every row before them are back, so at most
-`concurrency` requests of `batch_size` texts are held. A request refused with RESOURCE_EXHAUSTED
+Rows are written in input order as soon as they and every row before them are back (also while the
+job waits for input), and handed to the OS, so at most `concurrency` requests of `batch_size` texts are
+held. From a pipe, the lines read go as a request once no line has come for STALL_S: a producer that
+pauses finds every row of the lines it sent in the output. A request refused with RESOURCE_EXHAUSTED
 (queue full), UNAVAILABLE (warming up, draining) or DEADLINE_EXCEEDED (a long queue; the server
 dropped it before computing it) is retried for up to 10 minutes: after the wait the server's
 refusal asks for (its RetryInfo), with jitter, or else with exponential backoff; a message over the
-server's size limit is not (it would fail again).
+server's size limit is not (it would fail again), nor a TLS handshake that failed.
 
 Resuming (`resume=True`) counts the whole rows already in `<out>.partial`, or else in a finished
 `<out>` (a row cut short by a kill is dropped), skips that many input records and appends the rest; a
@@ -68,15 +74,18 @@ import asyncio
 import io
 import itertools
 import json
+import math
 import os
 import random
 import re
+import select
+import stat
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Generic, Protocol, TypeVar
@@ -85,7 +94,7 @@ import grpc
 import numpy as np
 
 from minilm_embed.client.client import embed_request, lone_surrogate, to_array
-from minilm_embed.client.errors import EmbeddingError, from_rpc_error
+from minilm_embed.client.errors import EmbeddingError, TooLarge, from_rpc_error
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 
 # Refusals that may pass later. A request past its deadline is one: the server drops inputs whose
@@ -102,6 +111,10 @@ PARTIAL_SUFFIX = ".partial"  # <out>.partial: the output until the job has writt
 T = TypeVar("T")
 FLOAT32 = "{:.9g}"  # 9 significant digits give back every float32 exactly; float64's 17 only take room
 NOT_COLUMNS = (".csv", ".tsv")
+JSON_INPUT = (".jsonl", ".json")  # read as text, each row would be the vector of a line's JSON
+# The server's reasons for refusing a request over a limit the job sized its requests by (Info's, read at
+# its start); gRPC's own refusal of a message over max_message_bytes has none, and is a TooLarge.
+SIZED_BY = ("TOO_MANY_INPUTS", "OVER_QUEUE_LIMIT", "ANSWER_TOO_LARGE")
 # A normalised float32 row's length is 1 within 1e-6; the model's mean-pooled rows are nowhere near it.
 NORM_TOLERANCE = 1e-3
 # A request's or a response's bytes beyond its texts or vectors: protobuf's tags and lengths and the
@@ -112,6 +125,8 @@ ROW_FRAMING = 32
 # gives the same text the same vector within 0.99999 (its batch invariance); another text, or
 # another model or precision (int8 against fp32: 0.989), falls below this.
 SAME_ROW_COSINE = 0.999
+# No line for this long from a pipe: its producer paused, and the lines read so far go as a request.
+STALL_S = 0.05
 # A refused request waits the server's RetryInfo delay times a random factor in [1, HINT_SPREAD]: never
 # sooner (the queue said it has no room until then), and spread over half that again so that the
 # requests a job has in flight, refused together, are sent again one by one as room appears.
@@ -125,6 +140,12 @@ class InputFileError(Exception):
 class GraphChanged(Exception):
     """An answer computed by another graph than the job's first (Info's): its vectors and those
     written are not comparable, so the job stops before writing it."""
+
+
+class LimitsChanged(Exception):
+    """A request refused for a limit the job sized its requests by (SIZED_BY): the server's limits are
+    lower than its Info said when the job began (a restart with other settings). A resume reads them
+    again; the job itself does not shrink its requests mid-way."""
 
 
 class OutputFileError(Exception):
@@ -141,7 +162,71 @@ class Record:
 # Input.
 
 
-def read_lines(stream: IO[bytes], name: str) -> Iterator[tuple[int, str]]:
+class PipeLines:
+    """The lines of a pipe, a FIFO or a terminal (each with its b"\\n", as a file's iteration gives
+    them), read with os.read into a buffer of its own so that `ready` can tell whether a whole line is
+    there, or comes within a wait, without blocking on it: a buffered reader cannot tell, and a
+    producer may pause for as long as it likes with the pipe open."""
+
+    READ_SIZE = 1 << 16
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = bytearray()
+        self.start = 0  # where the next line begins
+        self.scanned = 0  # no b"\n" in buffer[start:scanned]: a long line is searched once
+        self.eof = False
+
+    def ready(self, wait_s: float) -> bool:
+        """Whether the next line (or the end) is there, or comes within `wait_s` seconds."""
+        if self._line_end() >= 0 or self.eof:  # as a stream that flows mostly is: no clock read
+            return True
+        deadline = time.monotonic() + wait_s
+        while self._line_end() < 0 and not self.eof:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return False
+            self._fill()
+        return True
+
+    def __iter__(self) -> PipeLines:
+        return self
+
+    def __next__(self) -> bytes:
+        while (end := self._line_end()) < 0 and not self.eof:
+            self._fill()
+        if end < 0 and self.start == len(self.buffer):
+            raise StopIteration
+        end = len(self.buffer) - 1 if end < 0 else end  # the last line, without its b"\n"
+        line = bytes(self.buffer[self.start : end + 1])
+        self.start = self.scanned = end + 1
+        return line
+
+    def _line_end(self) -> int:
+        end = self.buffer.find(b"\n", self.scanned)
+        self.scanned = len(self.buffer) if end < 0 else end
+        return end
+
+    def _fill(self) -> None:
+        data = os.read(self.fd, self.READ_SIZE)
+        self.eof = not data
+        del self.buffer[: self.start]  # the lines read: O(1) at a bytearray's front
+        self.scanned -= self.start
+        self.start = 0
+        self.buffer += data
+
+
+def lines_of(stream: IO[bytes]) -> IO[bytes] | PipeLines:
+    """A regular file's own iteration (the fastest; a file never stalls), else PipeLines."""
+    try:
+        fd = stream.fileno()
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (OSError, ValueError):  # not a file (stdin replaced: in-process callers, tests)
+        return stream
+    return stream if regular else PipeLines(fd)
+
+
+def read_lines(stream: Iterable[bytes], name: str) -> Iterator[tuple[int, str]]:
     """(line number, text) per line: split on b"\\n" only, "\\r\\n" accepted, UTF-8 checked per line."""
     for number, raw in enumerate(stream, start=1):
         line = raw[:-1] if raw.endswith(b"\n") else raw
@@ -167,10 +252,10 @@ def jsonl_records(lines: Iterable[tuple[int, str]], name: str) -> Iterator[Recor
                 f'{name}:{number}: empty line (expected an object {{"id": ..., "text": "..."}})'
             )
         try:
-            item = json.loads(line, parse_constant=_not_json)
+            item = json.loads(line, parse_constant=_not_json, parse_float=_finite)
         except json.JSONDecodeError as e:
             raise InputFileError(f"{name}:{number}: not JSON ({e.msg} at column {e.colno})") from None
-        except ValueError as e:  # NaN or Infinity: Python's json reads them, JSON has no such value
+        except ValueError as e:  # NaN, Infinity, 1e400: Python's json reads them as floats JSON has not
             raise InputFileError(f"{name}:{number}: not JSON ({e})") from None
         if not isinstance(item, dict):
             raise InputFileError(f'{name}:{number}: expected an object {{"id": ..., "text": "..."}}')
@@ -192,6 +277,18 @@ BOM = "\ufeff"
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON value")
+
+
+def _finite(number: str) -> float:
+    """A JSON number as Python's json reads it, unless it overflows float64: read as inf, an id would
+    be written back as Infinity, which no JSON parser reads."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{number} is beyond float64: read as {value}, it would be written back as "
+            f"{json.dumps(value)}, which is not JSON; give the id as a string"
+        )
+    return value
 
 
 def within(
@@ -219,11 +316,13 @@ def utf8_size(text: str) -> int:
 
 
 def chunks(
-    records: Iterator[Record], most: int, max_bytes: int
+    records: Iterator[Record], most: int, max_bytes: int, ready: Callable[[float], bool] | None = None
 ) -> Iterator[tuple[list[Record], InputFileError | None]]:
     """Requests' worth of records: up to `most` of them and `max_bytes` of UTF-8 text (at least one
     each), so no request passes the server's message limit. The input error that ended the file, if
-    one did, comes with the last chunk."""
+    one did, comes with the last chunk. Where the input can stall (a pipe; `ready(s)`: whether the
+    next line comes within s seconds), a chunk also goes as it is once no line has come for STALL_S:
+    the rows of lines already read do not wait for lines that may be long in coming."""
     chunk: list[Record] = []
     size = 0
     try:
@@ -234,7 +333,7 @@ def chunks(
                 chunk, size = [], 0
             chunk.append(record)
             size += cost
-            if len(chunk) == most:
+            if len(chunk) == most or (ready is not None and not ready(STALL_S)):
                 yield chunk, None
                 chunk, size = [], 0
     except InputFileError as e:
@@ -250,11 +349,13 @@ def chunks(
 class Sink(Protocol):
     """Where rows go. `inspect` reads what an existing output holds and changes nothing; `open` starts
     writing (`resume`: after what `inspect` found, else into an empty output); `close(complete=True)`
-    seals it; `remove`, once closed, deletes what `open` wrote."""
+    seals it; `held`, once closed, counts the whole rows it holds, as a resume would (a write that
+    failed may have left some of its rows); `remove`, once closed, deletes what `open` wrote."""
 
     path: Path
 
     def inspect(self) -> Written: ...
+    def held(self) -> int: ...
     def open(self, resume: bool) -> None: ...
     def write(self, records: list[Record], vectors: np.ndarray) -> None: ...
     def close(self, complete: bool) -> None: ...
@@ -298,11 +399,12 @@ class Lines:
     last: bytes = b""
 
 
-def whole_lines(path: Path, keep: int | None = None) -> Lines:
-    """The complete lines (at most `keep`) at the start of a line-per-row file. Streams: a resumed
-    1M-row job reads, never holds, its rows."""
+def whole_lines(path: Path, keep: int | None = None, start: int = 0) -> Lines:
+    """The complete lines (at most `keep`) at the start of a line-per-row file, or from byte `start`.
+    Streams: a resumed 1M-row job reads, never holds, its rows."""
     count, size, last = 0, 0, b""
     with path.open("rb") as f:
+        f.seek(start)
         for line in f:
             if not line.endswith(b"\n") or count == keep:
                 break
@@ -341,7 +443,8 @@ class NpySink:
             return Written(self.rows, last_row=self.row(self.rows - 1))
         if self.rows and not self.ids_path.exists():
             raise OutputFileError(
-                f"{self.path}: made from text input (no {self.ids_path} beside it): resume it without --jsonl"
+                f"{self.path}: no {self.ids_path} beside it: made from text input (then resume it "
+                "without --jsonl), or its ids file was moved or deleted (put it back)"
             )
         ids = whole_lines(self.ids_path, keep=self.rows) if self.ids_path.exists() else Lines()
         if ids.count < self.rows and sealed:
@@ -351,6 +454,14 @@ class NpySink:
         # past the last id go (the vectors are cut there as the job opens the file) and are redone.
         self.rows, self._ids_size = min(self.rows, ids.count), ids.size
         return Written(self.rows, (json.loads(ids.last),) if self.rows else (), self.row(self.rows - 1))
+
+    def held(self) -> int:
+        """The rows a resume would go on from: the whole rows, and of those only the ones with an id
+        where it keeps ids (each batch's ids reach the OS before its vectors)."""
+        rows, _ = self._whole_rows()
+        if self.ids_path is None:
+            return rows
+        return whole_lines(self.ids_path, keep=rows).count if self.ids_path.exists() else 0
 
     def _whole_rows(self) -> tuple[int, bool]:
         """The rows in the file, its header checked (a row cut short by a kill is not counted), and
@@ -405,6 +516,7 @@ class NpySink:
             self._ids.write("".join(json.dumps(r.id) + "\n" for r in records).encode())
             self._ids.flush()
         self._vectors.write(np.ascontiguousarray(vectors, dtype="<f4").tobytes())
+        self._vectors.flush()  # on the OS's side: a job waiting on its input has every row it counted there
         self.rows += len(records)
 
     def close(self, complete: bool) -> None:
@@ -430,7 +542,7 @@ class JsonlSink:
     path: Path
     dims: int
     rows: int = 0
-    _size: int = 0  # bytes that hold `rows` rows, from inspect()
+    _size: int = 0  # bytes that hold `rows` rows, from inspect() and then each write
     _out: IO[bytes] | None = field(default=None, repr=False)
 
     def inspect(self) -> Written:
@@ -465,8 +577,15 @@ class JsonlSink:
             f'{{"id": {json.dumps(r.id)}, "embedding": [{",".join(map(FLOAT32.format, v.tolist()))}]}}\n'
             for r, v in zip(records, vectors, strict=True)
         )
-        self._out.write("".join(rows).encode())
-        self.rows += len(records)
+        data = "".join(rows).encode()
+        self._out.write(data)
+        self._out.flush()  # on the OS's side: a job waiting on its input has every row it counted there
+        self.rows, self._size = self.rows + len(records), self._size + len(data)
+
+    def held(self) -> int:
+        """The whole rows: those written, and any whole lines that a write which failed left past them
+        (counted from there, not from the start: a failed job's file may be gigabytes)."""
+        return self.rows + whole_lines(self.path, start=self._size).count
 
     def close(self, complete: bool) -> None:
         assert self._out is not None
@@ -648,11 +767,21 @@ class Stats:
         self.on_retry(error)
 
 
+# gRPC's words for a TLS handshake that failed, as its UNAVAILABLE says them: "Custom verification check
+# failed with error: UNAUTHENTICATED: Hostname Verification Check failed.", "Tls handshake failed
+# (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...:CERTIFICATE_VERIFY_FAILED: ...". A plaintext channel to a
+# TLS port says only "Socket closed", as a server that restarts does: that one stays retried.
+TLS_FAILURE = re.compile(r"handshake failed|hostname verification|SSL_ERROR_|certificate verif", re.I)
+
+
 def retryable(error: grpc.RpcError) -> bool:
     """A refusal that may pass later: a full queue, a server warming up or draining, a deadline passed
-    in a long queue. A message over the size limit is RESOURCE_EXHAUSTED too, and would fail every time."""
-    too_large = "larger than max" in (error.details() or "")
-    return error.code() in RETRYABLE and not too_large
+    in a long queue. A message over the size limit is RESOURCE_EXHAUSTED too, and would fail every time;
+    a TLS handshake that fails (a certificate of another name or authority, TLS against a plaintext
+    port) is UNAVAILABLE too, and fails again until the settings change."""
+    details = error.details() or ""
+    too_large = "larger than max" in details
+    return error.code() in RETRYABLE and not too_large and TLS_FAILURE.search(details) is None
 
 
 def retry_after(error: grpc.RpcError) -> float | None:
@@ -726,8 +855,10 @@ async def run_pipeline(
     batch_size: int,
     concurrency: int,
     max_request_bytes: int = 1 << 20,
+    ready: Callable[[float], bool] | None = None,
 ) -> None:
-    """Up to `concurrency` requests in flight; results written in input order as the oldest completes.
+    """Up to `concurrency` requests in flight; results written in input order as the oldest completes,
+    also while the next chunk is read (a pipe whose producer paused: `ready`, as chunks() has it).
     A bad input line ends the job after every row before it is written, so a resume starts at it."""
     pending: deque[tuple[list[Record], asyncio.Task[np.ndarray]]] = deque()
 
@@ -735,11 +866,24 @@ async def run_pipeline(
         done, task = pending.popleft()
         write(done, await task)
 
-    source = ReadAhead(chunks(records, batch_size, max_request_bytes), ([], None))
+    async def next_chunk() -> tuple[list[Record], InputFileError | None]:
+        """The next chunk; requests that complete meanwhile are written, in order, as they do."""
+        asked = asyncio.ensure_future(source.next())
+        try:
+            while pending and not asked.done():
+                oldest = pending[0][1]
+                await asyncio.wait((asked, oldest), return_when=asyncio.FIRST_COMPLETED)
+                if oldest.done():
+                    await write_oldest()
+            return await asked
+        finally:
+            asked.cancel()
+
+    source = ReadAhead(chunks(records, batch_size, max_request_bytes, ready), ([], None))
     try:
         error: InputFileError | None = None
         while error is None:
-            chunk, error = await source.next()
+            chunk, error = await next_chunk()
             if not chunk:
                 break
             if len(pending) >= concurrency:
@@ -827,17 +971,22 @@ def stdin_bytes() -> IO[bytes]:
 
 
 @contextmanager
-def input_stream(source: Path | None) -> Iterator[tuple[IO[bytes], str]]:
+def input_stream(source: Path | None, jsonl: bool) -> Iterator[tuple[IO[bytes] | PipeLines, str]]:
     if source is None:
-        yield stdin_bytes(), "<stdin>"
+        yield lines_of(stdin_bytes()), "<stdin>"
         return
     if source.suffix.lower() in NOT_COLUMNS:
         raise InputFileError(
             f"{source}: CSV is not read as columns (its header and any quoted newline would be rows "
             'of their own): give one text per line, or {"id": ..., "text": "..."} lines with --jsonl'
         )
+    if source.suffix.lower() in JSON_INPUT and not jsonl:
+        raise InputFileError(
+            f"{source}: a {source.suffix} file without --jsonl would be read as one text per line, each "
+            'row the vector of a line\'s JSON: give --jsonl to read its {"id": ..., "text": "..."} lines'
+        )
     with source.open("rb") as stream:
-        yield stream, str(source)
+        yield lines_of(stream), str(source)
 
 
 INPUT_AT = re.compile(r"input (\d+)\b")
@@ -850,6 +999,19 @@ def refused_line(error: grpc.RpcError, chunk: list[Record], name: str) -> InputF
     if error.code() != grpc.StatusCode.INVALID_ARGUMENT or match is None or int(match[1]) >= len(chunk):
         return None
     return InputFileError(f"{name}:{chunk[int(match[1])].line}: refused by the server: {error.details()}")
+
+
+def limits_changed(error: grpc.RpcError, count: int) -> LimitsChanged | None:
+    """A refusal of a request of `count` inputs for a limit the job sized it by: the user has nothing to
+    split (the job splits the file), so say what changed and how to go on."""
+    mapped = error if isinstance(error, EmbeddingError) else from_rpc_error(error)
+    if mapped.reason not in SIZED_BY and not isinstance(mapped, TooLarge):
+        return None
+    return LimitsChanged(
+        f"a request of {count} inputs was refused ({mapped.code().name}: {mapped.details()}), though the "
+        "job sized its requests by the limits the server gave when the job began: the server's limits "
+        "changed since; run again with --resume, which reads them again"
+    )
 
 
 async def run_job(
@@ -868,8 +1030,9 @@ async def run_job(
         refuse_stray_ids(job.out, job.jsonl)
     partial = partial_path(job.out)
     sink = sink_for(job.out, served.dims, job.jsonl, at=existing or partial)
-    with input_stream(job.source) as (stream, name):
+    with input_stream(job.source, job.jsonl) as (stream, name):
         parse = jsonl_records if job.jsonl else text_records
+        ready = stream.ready if isinstance(stream, PipeLines) else None
         lines = parse(read_lines(stream, name), name)
         records = within(lines, served.max_text_chars, name, served.max_message_bytes)
         written = sink.inspect() if existing else Written()
@@ -900,34 +1063,44 @@ async def run_job(
             try:
                 return await embed_texts([r.text for r in chunk])
             except grpc.RpcError as e:
-                line = refused_line(e, chunk, name)
-                if line is None:
+                refusal = refused_line(e, chunk, name) or limits_changed(e, len(chunk))
+                if refusal is None:
                     raise
-                raise line from e
+                raise refusal from e
 
         sink.open(resume=written.rows > 0)
-        with closing_sink(sink, stats, job.out, new=existing is None):
+        with closing_sink(sink, job.out, new=existing is None):
             await run_pipeline(
-                records, embed, write, served.batch_size(job), job.concurrency, served.request_bytes(job)
+                records,
+                embed,
+                write,
+                served.batch_size(job),
+                job.concurrency,
+                served.request_bytes(job),
+                ready,
             )
     rename_durably(partial, job.out)  # sealed, synced and closed: only now does the output have its name
     return stats
 
 
 @contextmanager
-def closing_sink(sink: Sink, stats: Stats, out: Path, new: bool) -> Iterator[None]:
+def closing_sink(sink: Sink, out: Path, new: bool) -> Iterator[None]:
     """Seals the sink when the rows are all written. Else its whole rows stay for a resume, and the
-    error's note says where; but a new output with no row is removed: a --resume of nothing would only
-    be one more thing to know, and without --resume the next run would be refused."""
+    error's note says where and how many: counted in the file, not by the job, since a write that
+    failed (a full disk, a file size limit) may have left some of its rows whole. But a new output
+    with no row is removed: a --resume of nothing would only be one more thing to know, and without
+    --resume the next run would be refused."""
     try:
         yield
     except BaseException as e:
-        sink.close(complete=False)
-        if new and not stats.rows:
+        with suppress(OSError):  # a write's error again, as the buffer is flushed: the job's is told
+            sink.close(complete=False)
+        rows = sink.held()
+        if new and not rows:
             sink.remove()
         else:
             e.add_note(
-                f"{sink.path} holds the {stats.rows} whole rows before this; run again with --resume to "
+                f"{sink.path} holds the {rows} whole rows before this; run again with --resume to "
                 f"go on from there ({out} is written when every row is)"
             )
         raise

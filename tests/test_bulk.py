@@ -7,12 +7,14 @@ import asyncio
 import json
 import os
 import re
+import resource
 import signal
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -25,7 +27,7 @@ from grpc_status import rpc_status
 from minilm_embed.client import bulk
 from minilm_embed.client.client import EmbeddingClient
 from minilm_embed.client.errors import from_rpc_error
-from tests import test_client
+from tests import test_client, test_security
 from tests.server_process import ServerProcess, serving
 from tests.test_client import run_client
 from tests.test_metrics import samples, scrape
@@ -39,6 +41,7 @@ LINE_BREAKS = ["\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "
 # A real server and a client of it for this module, as tests/test_client.py has them.
 server = test_client.server
 client = test_client.client
+pki = test_security.pki  # certificates made at test time, as tests/test_security.py has them
 
 
 def corpus(n: int) -> list[str]:
@@ -121,6 +124,18 @@ def test_jsonl_input_to_npy_writes_the_ids_beside_it(server, client, tmp_path):
             '{"id": 1, "text": "a"}\n{"id": NaN, "text": "b"}\n',
             ["--jsonl"],
             "in.txt:2: not JSON (NaN is not a JSON value)",
+        ),
+        # A number past float64 was read as inf, and written back as Infinity: the same output.
+        (
+            '{"id": 1, "text": "a"}\n{"id": 1e400, "text": "b"}\n',
+            ["--jsonl"],
+            "in.txt:2: not JSON (1e400 is beyond float64: read as inf, it would be written back as "
+            "Infinity, which is not JSON; give the id as a string)",
+        ),
+        (
+            '{"id": 1, "text": "a"}\n{"id": -1e999, "text": "b"}\n',
+            ["--jsonl"],
+            "in.txt:2: not JSON (-1e999 is beyond float64",
         ),
     ],
 )
@@ -455,6 +470,21 @@ def test_a_finished_npy_with_fewer_ids_than_rows_is_refused_not_cut_back(tmp_pat
         with pytest.raises(bulk.OutputFileError, match=f"has 3 rows but .*v.ids.jsonl holds {count} ids"):
             bulk.NpySink(out, 4, ids_path).inspect()
     assert out.read_bytes() == before and bulk.ids_beside(out).read_bytes() == ids
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_a_npy_without_its_ids_file_says_both_ways_it_may_have_come_to_be(tmp_path, sealed):
+    """It said "made from text input: resume it without --jsonl", which for a .npy whose ids file was
+    deleted would embed the JSON lines as texts. Which it is, the job cannot tell."""
+    out = tmp_path / "v.npy"
+    three_rows_beside(out, b'"d0"\n"d1"\n"d2"\n', sealed)
+    bulk.ids_beside(out).unlink()
+    with pytest.raises(bulk.OutputFileError) as refused:
+        bulk.NpySink(out, 4, bulk.ids_beside(out)).inspect()
+    assert str(refused.value) == (
+        f"{out}: no {bulk.ids_beside(out)} beside it: made from text input (then resume it without "
+        "--jsonl), or its ids file was moved or deleted (put it back)"
+    )
 
 
 @pytest.mark.parametrize("ids", [b"", b'"d0"\n"d1"\n'])
@@ -793,6 +823,19 @@ def test_csv_is_refused_with_what_to_give_instead(server, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.JSON"])
+def test_json_input_without_jsonl_is_refused_with_what_to_give(server, tmp_path, name):
+    """Read as text, each row was the vector of a line's JSON, {"id": ..., "text": ...} and all: exit 0."""
+    path, out = tmp_path / name, tmp_path / "v.npy"
+    path.write_text('{"id": 1, "text": "one"}\n', encoding="utf-8")
+    done = embed_file(server, str(path), "--out", str(out))
+    assert done.returncode == 2, done.stderr
+    assert f"{path}: a {path.suffix} file without --jsonl would be read as one text per line" in done.stderr
+    assert 'give --jsonl to read its {"id": ..., "text": "..."} lines' in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    assert embed_file(server, str(path), "--jsonl", "--out", str(out)).returncode == 0
+
+
 def sealed_job(server: ServerProcess, tmp_path: Path, jsonl: bool) -> tuple[Path, Path, dict[Path, bytes]]:
     items = [{"id": f"doc-{i}", "text": t} for i, t in enumerate(corpus(6))]
     path = tmp_path / "in.txt"
@@ -1120,3 +1163,174 @@ def test_a_directory_that_cannot_be_synced_still_gets_the_output(tmp_path, monke
     monkeypatch.setattr(os, "fsync", fsync)
     bulk.rename_durably(source, target)
     assert target.read_bytes() == b"rows" and not source.exists()
+
+
+# A server whose limits changed under a job; connections that can never be made.
+
+
+def test_a_server_restarted_with_lower_limits_ends_the_job_saying_to_resume(tmp_path):
+    """Requests sized by the first server's max_inputs_per_request (32) were refused by the restarted
+    one's (16), and the job ended with the server's "split the request", which its user cannot do."""
+    lines = corpus(1500)
+    path, out = tmp_path / "in.txt", tmp_path / "v.npy"
+    path.write_text("".join(t + "\n" for t in lines), encoding="utf-8")
+    address = ("--address", f"127.0.0.1:{free_port()}")
+    with serving(*address, "--max-inputs-per-request", "32") as first:
+        job = start_job(first, str(path), "--out", str(out), "--batch-size", "32", "--concurrency", "1")
+        deadline = time.monotonic() + 60
+        while not rows_on_disk(bulk.partial_path(out)) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    with serving(*address, "--max-inputs-per-request", "16") as second:
+        _, stderr = job.communicate(timeout=120)
+        assert job.returncode == 1, stderr
+        assert "a request of 32 inputs was refused (INVALID_ARGUMENT: 32 inputs in one request" in stderr
+        assert "the server's limits changed since; run again with --resume, which reads them again" in stderr
+        held = rows_on_disk(bulk.partial_path(out))
+        assert f"{bulk.partial_path(out)} holds the {held} whole rows" in stderr
+        assert "Traceback" not in stderr
+        done = embed_file(second, str(path), "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr
+    assert np.load(out).shape == (len(lines), 384)
+
+
+def refused_for(code: grpc.StatusCode, details: str, reason: str = "") -> grpc.aio.AioRpcError:
+    """A refusal as the server makes it: with an ErrorInfo of `reason` (none: gRPC's own)."""
+    trailing = grpc.aio.Metadata()
+    if reason:
+        status = status_pb2.Status(code=code.value[0], message=details)
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason))
+        trailing = grpc.aio.Metadata(*rpc_status.to_status(status).trailing_metadata)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+@pytest.mark.parametrize(
+    ("error", "changed"),
+    [
+        (refused_for(grpc.StatusCode.INVALID_ARGUMENT, "32 inputs in one request", "TOO_MANY_INPUTS"), True),
+        (refused_for(grpc.StatusCode.INVALID_ARGUMENT, "the answer would be", "ANSWER_TOO_LARGE"), True),
+        (refused_for(grpc.StatusCode.INVALID_ARGUMENT, "32 inputs can never fit", "OVER_QUEUE_LIMIT"), True),
+        # gRPC's own, for a request over the server's max_message_bytes
+        (refused_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs. 8)"), True),
+        (refused_for(grpc.StatusCode.INVALID_ARGUMENT, "no inputs", "NO_INPUTS"), False),
+        (refused_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "QUEUE_FULL"), False),
+    ],
+    ids=["inputs", "answer", "queue", "message", "other", "busy"],
+)
+def test_a_refusal_for_a_limit_the_job_sized_its_requests_by_says_the_limits_changed(error, changed):
+    for raised in (error, from_rpc_error(error)):  # raw, and as AsyncEmbeddingClient raises it
+        said = bulk.limits_changed(raised, 32)
+        assert (said is not None) == changed
+        assert said is None or "the server's limits changed since; run again with --resume" in str(said)
+
+
+@pytest.fixture(scope="module")
+def tls_port(pki) -> Iterator[int]:
+    """A TLS port that answers nothing: the handshake is all a client gets to."""
+    credentials = grpc.ssl_server_credentials([(pki.server_key.read_bytes(), pki.server_cert.read_bytes())])
+    tls = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = tls.add_secure_port("127.0.0.1:0", credentials)
+    tls.start()
+    yield port
+    tls.stop(None)
+
+
+@pytest.mark.parametrize(
+    ("authority", "name", "said"),
+    [
+        ("ca", "wrong.example", "Hostname Verification Check failed"),
+        ("rogue_ca", "localhost", "CERTIFICATE_VERIFY_FAILED"),
+    ],
+    ids=["another-name", "another-authority"],
+)
+def test_a_tls_handshake_that_fails_ends_the_job_at_once(pki, tls_port, tmp_path, authority, name, said):
+    """It arrives as UNAVAILABLE, and was retried for --retry-for (600 s) though it fails every time."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\n", encoding="utf-8")
+    flags = ["--ca-cert", str(getattr(pki, authority)), "--server-name", name]
+    started = time.monotonic()
+    done = run_client(
+        "--address", f"127.0.0.1:{tls_port}", *flags,
+        "embed-file", str(path), "--out", str(tmp_path / "v.npy"),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 30
+    assert "client: error: UNAVAILABLE" in done.stderr and said in done.stderr, done.stderr
+    assert "retrying" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def test_the_retry_notice_says_the_bound_that_applies(tmp_path):
+    """It said "for up to 600 s (--retry-for)" where --retries 2 ended the retries first."""
+    path = tmp_path / "in.txt"
+    path.write_text("one\n", encoding="utf-8")
+    closed = f"127.0.0.1:{free_port()}"
+    done = run_client(
+        "--address", closed, "--timeout", "1",
+        "embed-file", str(path), "--out", str(tmp_path / "v.npy"), "--retries", "2",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert (
+        "retrying each request up to 2 times or for 600 s, whichever ends first (--retries, --retry-for)"
+        in done.stderr
+    ), done.stderr
+
+
+# What a job leaves is what it says.
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl"])
+def test_a_write_error_says_how_many_rows_the_file_really_holds(server, tmp_path, suffix):
+    """A file size limit (`ulimit -f`) cut a batch's write short: the note counted the rows before that
+    batch (192), the file held some of its rows whole too (195), and --resume went on from those."""
+    path, out = tmp_path / "in.txt", tmp_path / f"v{suffix}"
+    path.write_text("".join(t + "\n" for t in corpus(300)), encoding="utf-8")
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file"]
+
+    def at_most_300_kb() -> None:  # in the child: its writes past 300,000 bytes fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    done = subprocess.run(
+        [*command, str(path), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=at_most_300_kb,
+    )
+    assert done.returncode == 2 and "File too large" in done.stderr, done.stderr
+    held = rows_on_disk(bulk.partial_path(out))
+    assert held % 32, "the limit fell between two batches: nothing was cut short"
+    assert f"{bulk.partial_path(out)} holds the {held} whole rows before this" in done.stderr, done.stderr
+    resumed = embed_file(server, str(path), "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{held} of them from before" in resumed.stderr
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".jsonl"])
+def test_rows_of_a_stdin_that_pauses_reach_the_output_while_it_waits(server, client, tmp_path, suffix):
+    """97 lines, then a producer that pauses with the pipe open: 0 rows were written until 16 x 32
+    more lines came (or the end). The three whole batches waited for the pipeline to fill, the last
+    line for a batch to fill, and its row (1,536 bytes in a .npy) for the output's write buffer to."""
+    lines = corpus(97)
+    out, log = tmp_path / f"v{suffix}", tmp_path / "stderr"
+    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file", "-"]
+    with log.open("w") as stderr:
+        job = subprocess.Popen(
+            [*command, "--out", str(out)], cwd=ROOT, stdin=subprocess.PIPE, stderr=stderr, text=True
+        )
+    try:
+        assert job.stdin is not None
+        job.stdin.write("".join(t + "\n" for t in lines))
+        job.stdin.flush()  # and then nothing more for now, the pipe left open
+        deadline = time.monotonic() + 20
+        while rows_on_disk(bulk.partial_path(out)) < len(lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.poll() is None, log.read_text()
+        assert rows_on_disk(bulk.partial_path(out)) == len(lines), log.read_text()
+        job.stdin.close()
+        assert job.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert_close(load(out)[1], alone(client, lines))
