@@ -109,6 +109,10 @@ class ServerConfig:
     # How long an HTTP request body may take to arrive; its bytes are held against the front's budgets
     # meanwhile, so a stalled upload must end (408), not hold them for good.
     http_body_timeout_s: float = 30.0
+    # How long a unary gRPC call (Embed, Tokenize, Info) that has its place may take to send its one
+    # message; then DEADLINE_EXCEEDED. 640 calls that sent headers and no message held every place
+    # and waiting place of a front for good, its gRPC health SERVING (an adversarial pass).
+    message_timeout_s: float = 30.0
     # How long an HTTP connection may take to send a request's headers (its first, or its next once
     # an answer has gone out); then 408 and closed. uvicorn has no such limit: 20,000 connections
     # that never sent a byte held a front's file descriptors for good, gRPC's listener included.
@@ -229,7 +233,12 @@ class ServerConfig:
                 f"{setting('max_request_bytes_in_flight')} {self.max_request_bytes_in_flight}: requests "
                 "being handled are held too"
             )
-        for name in ("http_body_timeout_s", "http_header_timeout_s", "max_connection_age_s"):
+        for name in (
+            "http_body_timeout_s",
+            "http_header_timeout_s",
+            "message_timeout_s",
+            "max_connection_age_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{setting(name)} must be more than 0, not {getattr(self, name)}")
         if self.keepalive_s < 1:  # a ping every few milliseconds on every connection is no setting
@@ -325,6 +334,10 @@ _HELP = {
     "http_body_timeout_s": (
         "seconds an HTTP request body may take to arrive (its size is held against the front's "
         "budgets meanwhile); then 408. Also how long an answer may sit unread: then the connection is cut"
+    ),
+    "message_timeout_s": (
+        "seconds a unary gRPC call (Embed, Tokenize, Info), once it has its place, may take to send "
+        "its message; then DEADLINE_EXCEEDED and the place is given back"
     ),
     "http_header_timeout_s": (
         "seconds an HTTP connection may take to send a request's headers (its first, or its next "

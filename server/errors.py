@@ -101,6 +101,13 @@ def cut_at_drain(timeout_s: float) -> str:
     return f"the server shut down before this call finished (its drain timeout, {timeout_s:g} s, passed)"
 
 
+class MessageLate(ServiceError):
+    """A unary gRPC call's message still arriving after message_timeout_s (it held a call's place)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "MESSAGE_TIMEOUT"
+
+
 class Dropped(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_PASSED_IN_QUEUE"

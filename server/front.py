@@ -241,6 +241,7 @@ def create_front(
         config.max_message_bytes,
         config.max_concurrent_calls,
         config.max_waiting_calls,
+        config.message_timeout_s,
     )
     token = load_token(config.auth_token, config.auth_token_file)
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too

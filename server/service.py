@@ -30,7 +30,7 @@ from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold, Places
 from minilm_embed.server.details import Trailing, details
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
-from minilm_embed.server.errors import InvalidInput, NotReady, Overloaded, ServiceError, internal
+from minilm_embed.server.errors import InvalidInput, MessageLate, NotReady, Overloaded, ServiceError, internal
 from minilm_embed.server.metrics import Metrics, size_class
 from minilm_embed.server.tokenization import inputs_field
 
@@ -73,6 +73,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         max_message_bytes: int,
         max_calls: int = 128,
         max_waiting: int = 512,
+        message_timeout_s: float = 30.0,
     ) -> None:
         self.embedder = embedder
         self.info: pb.InfoResponse | None = None  # set once the engine is warm (front.start)
@@ -80,6 +81,7 @@ class EmbeddingService(pb_grpc.EmbeddingServiceServicer):
         self.max_stream_in_flight = max_stream_in_flight
         self.max_message_bytes = max_message_bytes
         self.places = Places(max_calls, max_waiting)  # calls being served, and waiting to be
+        self.message_timeout_s = message_timeout_s
         self._ending = asyncio.Event()  # set by end_streams
 
     def end_streams(self) -> None:
@@ -395,11 +397,21 @@ def _unary(
     async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
         await service.take_place(method, context)
         try:
-            async for data in requests:  # the call's one message, read once it has a place
+            # The call's one message, read once it has a place, within message_timeout_s: a call
+            # that never sends it must not hold the place for good.
+            data = await asyncio.wait_for(anext(aiter(requests), None), service.message_timeout_s)
+            if data is not None:
                 return await behaviour(data, context)
+            error: ServiceError = InvalidInput(f"the {method} call ended without its request", "NO_REQUEST")
+        except TimeoutError:
+            error = MessageLate(
+                f"the {method} call's request had not all arrived {service.message_timeout_s:g} s after it "
+                f"had its place, the limit message_timeout_s={service.message_timeout_s:g}",
+                setting="message_timeout_s",
+                limit=service.message_timeout_s,
+            )
         finally:
             service.places.give_back()
-        error = InvalidInput(f"the {method} call ended without its request", "NO_REQUEST")
         await context.abort(error.code, str(error), service._request_id(context) + details(error))
         raise AssertionError("unreachable: abort raises")
 

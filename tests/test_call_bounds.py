@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import httpx
@@ -124,6 +124,36 @@ def test_a_call_past_the_places_waits_one_past_the_waiting_is_refused_named_and_
         assert all(s.error is None and [a.id for a in s.answers] == ["last"] for s in held)
         answered = embed(stub, ["served again once the streams ended"])
         assert isinstance(answered, pb.EmbedResponse) and len(answered.embeddings) == 1
+
+
+def test_a_unary_call_that_never_sends_its_message_gives_its_place_back_at_the_timeout() -> None:
+    """Calls that send their headers and never their message held every place and waiting place of a
+    front for good, its health SERVING (an adversarial pass: 640 of them, a few kB in all). Each now
+    has message_timeout_s once it has a place: DEADLINE_EXCEEDED, named, and the place is free."""
+
+    async def silent(address: str) -> grpc.aio.AioRpcError:
+        async def nothing() -> AsyncIterator[bytes]:
+            await asyncio.Event().wait()  # headers only, and the stream left open
+            yield b""
+
+        async with grpc.aio.insecure_channel(address) as channel:
+            embed = channel.stream_unary("/embedding.v1.EmbeddingService/Embed")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await embed(nothing(), timeout=30)
+            return e.value
+
+    settings = {"max_concurrent_calls": 1, "max_waiting_calls": 1, "message_timeout_s": 1}
+    with serving(*flags(settings)) as process:
+        started = time.monotonic()
+        ended = asyncio.run(silent(process.address))
+        took = time.monotonic() - started
+        with grpc.insecure_channel(process.address) as channel:  # its place is free again
+            stub = pb_grpc.EmbeddingServiceStub(channel)
+            assert len(stub.Embed(pb.EmbedRequest(texts=["after"]), timeout=30).embeddings) == 1
+    assert ended.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended
+    assert "request had not all arrived 1 s after it had its place" in (ended.details() or "")
+    assert error_details(ended)["ErrorInfo"].reason == "MESSAGE_TIMEOUT"  # type: ignore[attr-defined]
+    assert took < 10, took  # the server's 1 s, not the call's own 30 s deadline
 
 
 def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProcess) -> None:
