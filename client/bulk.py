@@ -194,6 +194,7 @@ class PipeLines:
 
     def __next__(self) -> bytes:
         while (end := self._line_end()) < 0 and not self.eof:
+            select.select([self.fd], [], [])  # a stdin left O_NONBLOCK by its parent: no BlockingIOError
             self._fill()
         if end < 0 and self.start == len(self.buffer):
             raise StopIteration
@@ -353,6 +354,7 @@ class Sink(Protocol):
     failed may have left some of its rows); `remove`, once closed, deletes what `open` wrote."""
 
     path: Path
+    rows: int  # written, by the job's count
 
     def inspect(self) -> Written: ...
     def held(self) -> int: ...
@@ -983,7 +985,8 @@ def input_stream(source: Path | None, jsonl: bool) -> Iterator[tuple[IO[bytes] |
     if source.suffix.lower() in JSON_INPUT and not jsonl:
         raise InputFileError(
             f"{source}: a {source.suffix} file without --jsonl would be read as one text per line, each "
-            'row the vector of a line\'s JSON: give --jsonl to read its {"id": ..., "text": "..."} lines'
+            'row the vector of a line\'s JSON: give --jsonl to read {"id": ..., "text": "..."} lines, one '
+            "object per line (a JSON array is not read: `jq -c '.[]' FILE` makes such lines of it)"
         )
     with source.open("rb") as stream:
         yield lines_of(stream), str(source)
@@ -1095,7 +1098,10 @@ def closing_sink(sink: Sink, out: Path, new: bool) -> Iterator[None]:
     except BaseException as e:
         with suppress(OSError):  # a write's error again, as the buffer is flushed: the job's is told
             sink.close(complete=False)
-        rows = sink.held()
+        try:
+            rows = sink.held()
+        except (OSError, OutputFileError):  # the file gone or unreadable: the job's error is the one told
+            rows = sink.rows
         if new and not rows:
             sink.remove()
         else:

@@ -491,9 +491,9 @@ class Supervisor:
             _signal(front, signal.SIGTERM)
         self._wait_for(list(self.fronts.values()), deadline)
         # A front still starting up (importing, before run_front's first line) dies of the SIGTERM
-        # itself: it had accepted no call, so that is a clean stop too.
+        # itself, or of a terminal's SIGHUP to the group: it had accepted no call, a clean stop too.
         codes = [_join(front, deadline) for front in self.fronts.values()]
-        codes = [0 if code == -signal.SIGTERM else code for code in codes]
+        codes = [0 if code is not None and -code in signals.STOP_SIGNALS else code for code in codes]
         served = self.announced or self.serving
         if codes and served and not self.forced:  # one that never served stops with its one line of why
             log.info("fronts stopped after %.1fs, exit codes %s", time.monotonic() - started, codes)

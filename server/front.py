@@ -325,6 +325,8 @@ async def drain(
     # UNAVAILABLE (HTTP 503 in OpenAI's shape, Retry-After) naming why: cancelled by uvicorn, an HTTP
     # call got a bare 500 and a 40-line traceback in the log.
     def cut_off() -> None:
+        if front.http is not None:
+            front.http.api.cut_off = True  # what uvicorn cancels next is answered 503, not 500
         if waiting := front.engine.engine_gone(cut_at_drain(timeout), "SHUTTING_DOWN"):
             log.warning(
                 "front %d: %d calls still waiting for the engine at the drain timeout (%gs) were answered "

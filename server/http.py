@@ -107,11 +107,11 @@ class _JsonRepr(reprlib.Repr):
         return "true" if value else "false"
 
     def repr_str(self, value: str, level: int) -> str:
-        text = orjson.dumps(value).decode()
-        if len(text) <= self.maxstring:
-            return text
-        half = max(0, (self.maxstring - 3) // 2)
-        return f"{text[:half]}...{text[len(text) - half :]}"
+        if len(value) <= self.maxstring:
+            return orjson.dumps(value).decode()
+        half = max(0, (self.maxstring - 3) // 2)  # cut before it is encoded: no escape split in two
+        head, tail = orjson.dumps(value[:half]).decode(), orjson.dumps(value[len(value) - half :]).decode()
+        return f"{head[:-1]}...{tail[1:]}"
 
 
 _SHOWN = _JsonRepr()
@@ -216,6 +216,9 @@ class HttpApi:
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        # Set by the drain as its timeout passes (front.drain): what uvicorn cancels from then on is
+        # answered 503, not its bare 500.
+        self.cut_off = False
         self._token = token.encode() if token else None
 
     def app(self) -> Starlette:
@@ -329,8 +332,10 @@ class HttpApi:
             # uvicorn cancels what is still open once the drain timeout passes (a body still coming):
             # answered as gRPC's calls are then, not with its bare 500, a traceback, and counted OK.
             code = grpc.StatusCode.CANCELLED
-            if self.embedder.readiness.ready:
+            task = asyncio.current_task()
+            if not self.cut_off or task is None:
                 raise
+            task.uncancel()  # answered: the cancellation is taken as uvicorn meant it
             cut = NotReady(cut_at_drain(self.drain_timeout_s), "SHUTTING_DOWN")
             code, response = cut.code, error_response(cut)
         finally:
@@ -364,12 +369,18 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     answer: gRPC's code, the exception's headers (405's Allow) and the call's x-request-id."""
     assert isinstance(exc, HTTPException)
     code = ROUTING_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT).name.lower()
-    error = {"message": exc.detail, "type": "invalid_request_error", "param": None, "code": code}
+    message, path = exc.detail, request.url.path
+    if exc.status_code == 404 and path.endswith("/") and path.rstrip("/") in SLASHLESS:
+        message = f"Not Found: {path} has no trailing slash here; send {path.rstrip('/')}"
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     response = json_response({"error": error}, exc.status_code)
     response.headers.update(exc.headers or {})
     response.headers[logs.REQUEST_ID_HEADER] = HttpApi._request_id(request)
     _close_if_body_unread(request, response)
     return response
+
+
+SLASHLESS = {EMBEDDINGS_ROUTE, MODELS_ROUTE, "/health"}  # said, when asked with a slash
 
 
 def _model_not_found(asked: str, served: str) -> Response:
@@ -677,6 +688,7 @@ class HttpListener:
 
     server: uvicorn.Server
     sock: socket.socket
+    api: HttpApi
     task: asyncio.Task[None] | None = None
 
     @property
@@ -804,7 +816,10 @@ class BoundedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (a Content-Length that is not a number, two that differ): 400 in
         OpenAI's shape, as every other answer, not uvicorn's plain "Invalid HTTP request received."."""
-        message = "malformed HTTP request: its request line or headers are not HTTP/1.1 (h11 refused them)"
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer is being written
+            self.transport.close()
+            return
+        message = "malformed HTTP request: it is not valid HTTP/1.1 (h11 refused it)"
         self._refuse(400, "Bad Request", "invalid_request_error", message, "MALFORMED_REQUEST")
 
     def _headers_late(self) -> None:
@@ -862,7 +877,7 @@ def http_listener(api: HttpApi, sock: socket.socket, config: ServerConfig) -> Ht
         timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
         **_tls(config),
     )
-    return HttpListener(_Server(settings, config.http_header_timeout_s), sock)
+    return HttpListener(_Server(settings, config.http_header_timeout_s), sock, api)
 
 
 def _tls(config: ServerConfig) -> dict[str, Any]:

@@ -48,7 +48,9 @@ class RequestTracer:
     child spans of an Embed."""
 
     def __init__(self, processor: SpanProcessor) -> None:
-        self.provider = TracerProvider(resource=_resource())
+        # Shut down by the front, bounded (shutdown): the SDK's own at exit would wait on a collector
+        # that never answers without bound (an SDK >= 1.30 that pyproject allows has no guard).
+        self.provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer(__name__)
 

@@ -831,7 +831,8 @@ def test_json_input_without_jsonl_is_refused_with_what_to_give(server, tmp_path,
     done = embed_file(server, str(path), "--out", str(out))
     assert done.returncode == 2, done.stderr
     assert f"{path}: a {path.suffix} file without --jsonl would be read as one text per line" in done.stderr
-    assert 'give --jsonl to read its {"id": ..., "text": "..."} lines' in done.stderr, done.stderr
+    wanted = 'give --jsonl to read {"id": ..., "text": "..."} lines, one object per line'
+    assert wanted in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
     assert embed_file(server, str(path), "--jsonl", "--out", str(out)).returncode == 0
 

@@ -624,6 +624,7 @@ def test_unknown_paths_and_methods_answer_in_openais_shape_with_allow_and_the_re
         server.http_url + "/v1/embeddings/", json={"input": "a"}, headers={"x-request-id": "s"}
     )
     assert slash.status_code == 404 and slash.json()["error"]["code"] == "not_found"
+    assert "send /v1/embeddings" in slash.json()["error"]["message"]
     assert slash.headers["x-request-id"] == "s"
 
 
