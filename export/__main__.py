@@ -19,6 +19,7 @@ import socket
 import stat
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,16 +140,22 @@ def build(
         print(f"export: note: {line}", file=sys.stderr)
     tokenizer = read_tokenizer(weights / TOKENIZER_FILE, ckpt.config.max_seq_length)
     # The weights and their tokenizer read: now the libraries that export and gate them.
+    import torch
+
     from minilm_embed.export.onnx import export_onnx, save, share_tensor
     from minilm_embed.export.optimize import cpu_session
     from minilm_embed.export.parity import run_parity
 
     onnx_path = staging / FP32_FILE
-    save(export_onnx(encoder), onnx_path)
+    with warnings.catch_warnings():
+        # The trace unrolls the loop over the layers, as it should: its warning says so on every export.
+        warnings.filterwarnings("ignore", "Iterating over a tensor", torch.jit.TracerWarning)
+        save(export_onnx(encoder), onnx_path)
     shared = share_tensor(onnx_path)  # before the gate, which then runs the graph as shipped
     save_unpadded(weights / TOKENIZER_FILE, staging / TOKENIZER_FILE, ckpt.config.max_seq_length)
     reference = ckpt.config.position == "learned"  # sentence-transformers has no sinusoidal BERT
-    report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
+    with no_progress_bars():
+        report = run_parity(encoder, cpu_session(onnx_path), tokenizer, weights, data_dir, reference)
     print(report.table())
     report.raise_on_failure()
     int8_report = (
@@ -160,6 +167,21 @@ def build(
     fp16 = build_fp16(staging, tokenizer, data_dir, ckpt.config.num_heads)
     text = manifest(ckpt, staging, shared, report.to_dict(), figures, fp16).to_json()
     (staging / MANIFEST_FILE).write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: the gate's reference model drew "Loading weights: 100%" on
+    every export."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
 
 
 def build_int8(
@@ -329,6 +351,9 @@ def marker_owner(fd: int) -> str:
 def export(args: argparse.Namespace) -> None:
     """The export the arguments ask for, swapped in as --out once it has passed its gates."""
     check_out(args.out, MANIFEST_FILE, "a model repository")
+    if args.data_dir is not None:  # dev for the gates, train to calibrate int8: found missing now
+        for split in ("dev",) if args.no_int8 else ("dev", "train"):
+            sts_path(args.data_dir, split)
     from minilm_embed.model.weights import DEFAULT_SHA256, default_weights_dir
 
     weights = args.weights or default_weights_dir()

@@ -3,7 +3,9 @@ checkpoint. Each command owns the directories that hold its marker file, and ref
 
 from __future__ import annotations
 
+import os
 import signal
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +14,9 @@ from pathlib import Path
 # The training checkpoint's marker (model/checkpoints.py writes it): here, torch-free, so that the
 # training CLI checks --out against it before torch is loaded.
 STATE_FILE = "training_state.pt"
+# In `<out>.partial` while model/checkpoints.py writes a checkpoint there, removed before it is swapped
+# in: a `.partial` holding it is an unfinished save of model.train, which the next run may remove.
+SAVING_MARKER = ".model-train-saving"
 
 
 class OutputError(Exception):
@@ -30,6 +35,60 @@ def check_out(out: Path, marker: str, kind: str) -> None:
             f"--out {out} holds files but no {marker}: not {kind}, so it is not "
             "replaced; name a new directory, or remove it first"
         )
+    check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """A directory can be made beside `out` (the command writes there, then renames): found now, not at
+    the first save after hours of work. Missing parents are made later; the nearest existing one is
+    tried, by making a directory in it and removing it."""
+    parent = out.absolute().parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"--out {out}: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.check.", dir=parent))
+    except OSError as e:
+        raise OutputError(f"--out {out}: cannot create a directory in {parent} ({e.strerror})") from e
+
+
+def beside(out: Path, what: str) -> Path:
+    """`<out>.<what>`: where a save writes (`partial`) and keeps the checkpoint it replaces (`previous`)."""
+    return out.with_name(f"{out.name}.{what}")
+
+
+def check_leftovers(out: Path, resuming: Path | None) -> None:
+    """Refuse a run whose save would remove a `<out>.partial` or `<out>.previous` not its own."""
+    for what in ("partial", "previous"):
+        problem = leftover_problem(out, what, resuming)
+        if problem:
+            raise OutputError(problem)
+
+
+def leftover_problem(out: Path, what: str, resuming: Path | None) -> str | None:
+    """Why `<out>.<what>` (`partial` or `previous`: a save removes both) may not be removed, if it may
+    not. Only an empty directory, an unfinished save (SAVING_MARKER inside) and the checkpoint being
+    resumed are the run's to remove; a checkpoint that a killed run left is the user's to resume."""
+    path = beside(out, what)
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_dir():
+        return f"{path} is not a directory that model.train wrote: move or remove it"
+    if not any(path.iterdir()) or (path / SAVING_MARKER).is_file():
+        return None
+    if not (path / STATE_FILE).is_file():
+        return f"{path} holds files but is not a checkpoint of model.train: move or remove it"
+    if what == "partial":  # whole, not yet swapped in; a save to this --out would remove it first
+        return (
+            f"{path} holds a checkpoint that a killed run left: resume it with --resume {path} "
+            "--out DIR (another directory), or remove it"
+        )
+    if resuming is not None and path.resolve() == resuming.resolve():
+        return None  # the checkpoint this run continues: its first save replaces it
+    if (out / STATE_FILE).is_file():  # killed after the second rename: `out` holds the newer one
+        return f"{path} holds a checkpoint that a killed run left, older than {out}'s: move or remove it"
+    return f"{path} holds a checkpoint that a killed run left: resume it with --resume {path}, or remove it"
 
 
 @contextmanager

@@ -14,6 +14,7 @@ line: it turns the arguments into a model, data and a plan, and runs model/loop.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -28,12 +29,19 @@ from typing import TYPE_CHECKING
 # that cannot be read (--weights, --resume) is refused once torch is loaded.
 from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import DataError, ScoredPair, read_sts, sts_path
-from minilm_embed.model.directories import STATE_FILE, OutputError, check_out, interrupts_deferred
+from minilm_embed.model.directories import (
+    STATE_FILE,
+    OutputError,
+    check_leftovers,
+    check_out,
+    interrupts_deferred,
+)
 from minilm_embed.model.pairs import TrainingData, read_training_data, tokenize
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from minilm_embed.model.checkpoints import Schedule
     from minilm_embed.model.encoder import Encoder
     from minilm_embed.model.evaluate import DevSet
     from minilm_embed.model.loop import Plan, Run
@@ -111,11 +119,17 @@ def check_args(args: argparse.Namespace) -> str | None:
     for name in ("batch_size", "epochs", "layers", "hidden", "heads", "max_seq_length", "threads"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
-    for name in ("max_steps", "lr"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            return f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}"
-    if args.warmup is not None and args.warmup < 0:
-        return f"--warmup must be at least 0, not {args.warmup}"
+    if args.max_steps is not None and args.max_steps <= 0:
+        return f"--max-steps must be positive, not {args.max_steps}"
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr must be a positive number, not {args.lr}"
+    if not 0 <= args.dropout < 1:  # false for nan too
+        return f"--dropout must be at least 0 and below 1, not {args.dropout}"
+    for name in ("warmup", "eval_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must be at least 0, not {getattr(args, name)}"
+    if not 0 <= args.seed < 2**32:  # numpy's seeds
+        return f"--seed must be at least 0 and below 2**32, not {args.seed}"
     if args.hidden % args.heads:
         return f"--hidden {args.hidden} is not divisible by --heads {args.heads}"
     return None
@@ -216,19 +230,54 @@ def plan(args: argparse.Namespace, data: TrainingData) -> Plan:
     return Plan(args.batch_size, args.seed, total, args.eval_every)
 
 
-def new_run(args: argparse.Namespace, model: Encoder, total: int) -> Run:
-    """A run at the learning rate and warm-up asked for (or their defaults for the kind of model)."""
+class Diverged(Exception):
+    """A step whose loss or gradients are not finite: the run stops before its weights take them."""
+
+
+def schedule(args: argparse.Namespace, total: int, resumed: Schedule | None) -> Schedule:
+    """The learning rate and warm-up asked for, else the resumed checkpoint's, else their defaults
+    for the kind of model."""
+    from minilm_embed.model.checkpoints import Schedule
+
+    resumed = resumed or Schedule(None, None)
+    lr = next(x for x in (args.lr, resumed.lr, DEFAULT_LR[args.init]) if x is not None)
+    warmup = next(n for n in (args.warmup, resumed.warmup, total // 10) if n is not None)
+    return Schedule(lr, warmup)
+
+
+def new_run(model: Encoder, plan: Schedule, total: int) -> Run:
+    """A run on `plan`, which stops (Diverged) at the first step whose gradients are not finite."""
     from minilm_embed.model.loop import make_run
 
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.init]
-    warmup = args.warmup if args.warmup is not None else total // 10
-    return make_run(model, lr, warmup, total)
+    lr, warmup = plan.lr, plan.warmup
+    assert lr is not None and warmup is not None
+    run = make_run(model, lr, warmup, total)
+    run.optimizer.register_step_pre_hook(lambda optimizer, *_: stop_if_diverged(run, lr))
+    return run
+
+
+def stop_if_diverged(run: Run, lr: float) -> None:
+    """Before an optimizer step: non-finite gradients (a nan or inf loss makes them so, even clipped)
+    raise Diverged, so that no weights, and no checkpoint, take them."""
+    import torch
+
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        raise diverged(run.step + 1, lr)
+
+
+def diverged(step: int, lr: float) -> Diverged:
+    return Diverged(
+        f"step {step}: the loss or its gradients are not finite (the run diverged); "
+        f"try a lower --lr than {lr:g}"
+    )
 
 
 def check_inputs(args: argparse.Namespace) -> Texts:
     """--out, the training data and the data directory's dev split checked, before torch is imported
     (seconds) and hours of training: the training texts."""
     check_out(args.out, STATE_FILE, "a checkpoint written by model.train")
+    check_leftovers(args.out, args.resume)
     texts = read_training_data(args.pairs, args.sts_train, args.data_dir)
     if args.data_dir is not None:
         read_sts(sts_path(args.data_dir, "dev"))  # read again once there is a tokenizer (DevSet.load)
@@ -239,7 +288,15 @@ def prepare(
     args: argparse.Namespace, texts: Texts
 ) -> tuple[Run, TrainingData, Plan, DevSet | None, Callable[[], None]]:
     """The run to continue (fresh or resumed), its data and plan, the dev set, and how to save it."""
-    from minilm_embed.model.checkpoints import batch_order, restore, save
+    from minilm_embed.model.checkpoints import (
+        Schedule,
+        batch_order,
+        read_state,
+        restore,
+        resumed_schedule,
+        run_record,
+        save,
+    )
     from minilm_embed.model.evaluate import DevSet
     from minilm_embed.model.loop import seed_everything
     from minilm_embed.model.weights import read_tokenizer
@@ -251,11 +308,17 @@ def prepare(
     data = tokenize(tokenizer, *texts)
     dev = DevSet.load(args.data_dir, tokenizer) if args.data_dir is not None else None
     steps = plan(args, data)
-    run = new_run(args, model, steps.total_steps)
+    state = read_state(args.resume) if args.resume is not None else None
+    resumed = None
+    if state is not None:
+        resumed = resumed_schedule(state, args.resume, Schedule(args.lr, args.warmup))
+    run_plan = schedule(args, steps.total_steps, resumed)
+    run = new_run(model, run_plan, steps.total_steps)
     order = batch_order(steps, data)
-    if args.resume is not None:
-        restore(run, args.resume, order, steps.total_steps)
-    return run, data, steps, dev, lambda: save(run, tokenizer_file, args.out, model_id, order)
+    if state is not None:
+        restore(run, state, args.resume, order, steps.total_steps)
+    record = run_record(order, run_plan)
+    return run, data, steps, dev, lambda: save(run, tokenizer_file, args.out, model_id, record)
 
 
 @dataclass
@@ -270,11 +333,20 @@ class Progress:
 
         def save_whole() -> None:
             assert self.run is not None
+            first_bad = next((h for h in self.run.history if not math.isfinite(h.get("loss", 0.0))), None)
+            if first_bad is not None:  # never a checkpoint of a diverged run
+                raise diverged(int(first_bad["step"]), float(self.run.scheduler.base_lrs[0]))
             with interrupts_deferred():
                 save_to()
                 self.saved_step = self.run.step
 
         return save_whole
+
+    def kept(self, out: Path) -> str:
+        """Where the run's last checkpoint is, for the line a failed run ends with."""
+        if self.saved_step is None:
+            return f"it saved no checkpoint: {out} is unchanged"
+        return f"the last checkpoint, step {self.saved_step}, is in {out}"
 
     def interrupted(self, out: Path) -> str:
         """The line a Ctrl-C prints: where the run stopped, and where its last checkpoint is."""
@@ -328,13 +400,17 @@ def checked_then_trained(args: argparse.Namespace, progress: Progress) -> int:
         summary = train(args, texts, progress)
     except (DataError, WeightsError, OutputError, OSError) as e:
         return refuse(e)
+    except Diverged as e:
+        print(f"train: error: {e}; {progress.kept(args.out)}", file=sys.stderr)
+        return 1  # no bad input: the run failed
     print("\n".join(summary.lines(args.out)))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line: exit status 0, or 2 with one line naming the bad file or argument, or 130
-    after Ctrl-C with one line naming the last checkpoint."""
+    """The command line: exit status 0, or 2 with one line naming the bad file or argument, or 1 with
+    one line naming the step where the run diverged, or 130 after Ctrl-C with one line naming the last
+    checkpoint."""
     args = parse_args(argv)
     progress = Progress()
     try:

@@ -444,6 +444,48 @@ def test_out_that_is_not_a_model_repository_is_refused_and_kept(tmp_path):
     assert (notes / "notes.txt").read_text() == "keep me"
 
 
+# main() on each argument list, in a process that has not imported torch: each status and stderr, and
+# whether torch was imported by the end.
+REFUSE = """
+import contextlib, io, json, sys
+from minilm_embed.export.__main__ import main
+seen = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        seen.append([main(argv), err.getvalue()])
+print(json.dumps({"seen": seen, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_an_out_or_data_dir_the_export_cannot_use_is_refused_before_torch_is_imported(tmp_path):
+    """Found at once, not after the export and its gates (minutes): an --out no directory can be made
+    beside, and a data directory without the train split that int8 is calibrated on."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    data = tmp_path / "data"
+    (data / "stsbenchmark").mkdir(parents=True)
+    (data / "stsbenchmark" / "sts-dev.csv").write_text("g\ts\t2012\t1\t5.0\ta\tb\n")
+    cases = [
+        (["--out", f"{afile}/sub"], f"export: error: --out {afile}/sub: {afile} is not a directory\n"),
+        (["--out", "/proc/model"], "export: error: --out /proc/model: cannot create a directory in /proc ("),
+        (
+            ["--data-dir", str(data), "--out", str(tmp_path / "out")],
+            f"export: error: {data}: no STS Benchmark train split (sts-train.csv)\n",
+        ),
+    ]
+    command = export_command("placeholder")
+    command["args"] = [sys.executable, "-c", REFUSE, json.dumps([argv for argv, _ in cases])]
+    done = subprocess.run(**command, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for (argv, message), (status, err) in zip(cases, result["seen"], strict=True):
+        assert status == 2, (argv, err)
+        assert err.startswith(message) and err.count("\n") == 1, (argv, err)
+    assert not result["torch"], "torch was imported before a refusal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data"]
+
+
 def test_compare_reports_a_shape_error_apart_from_values():
     check = compare("x", np.zeros((3, 4)), np.zeros((3, 5)))
     assert not check.passed
@@ -832,6 +874,7 @@ def test_exporting_a_trained_checkpoint_prints_no_load_report_for_the_unused_poo
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
     assert "LOAD REPORT" not in stderr and "pooler" not in stderr, stderr
+    assert "TracerWarning" not in stderr and "Loading weights" not in stderr, stderr
     assert "export: note:" not in stderr
     assert "Traceback" not in stderr
     assert stdout.rstrip().endswith(f"export: wrote {out} (parity passed)")

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minilm_embed.model import checkpoints, loop, pairs, train
+from minilm_embed.model import checkpoints, directories, loop, pairs, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--init", "scratch", "--hidden", "32", "--layers", "2", "--heads", "2", "--max-seq-length", "32"]
@@ -184,7 +187,35 @@ def test_bad_flags_data_and_out_are_refused_before_torch_is_imported(tmp_path: P
     (no_dev / "stsbenchmark" / "sts-train.csv").write_bytes(GOOD_ROW)
     out = ["--out", str(tmp_path / "out")]
     nowhere = tmp_path / "nowhere"
-    cases = [
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "enc.partial").mkdir()
+    (tmp_path / "enc.partial" / "d").write_text("y")
+    flags = [
+        (["--lr", "nan"], "--lr must be a positive number, not nan"),
+        (["--lr", "inf"], "--lr must be a positive number, not inf"),
+        (["--lr", "-1"], "--lr must be a positive number, not -1.0"),
+        (["--dropout", "1.5"], "--dropout must be at least 0 and below 1, not 1.5"),
+        (["--dropout", "-0.1"], "--dropout must be at least 0 and below 1, not -0.1"),
+        (["--dropout", "nan"], "--dropout must be at least 0 and below 1, not nan"),
+        (["--eval-every", "-5"], "--eval-every must be at least 0, not -5"),
+        (["--seed", "-1"], "--seed must be at least 0 and below 2**32, not -1"),
+    ]
+    cases = [(["--pairs", good, *flag, *out], ": error: " + message) for flag, message in flags]
+    cases += [
+        (
+            ["--pairs", good, "--out", "/proc/enc"],
+            "train: error: --out /proc/enc: cannot create a directory in /proc",
+        ),
+        (
+            ["--pairs", good, "--out", f"{afile}/sub"],
+            f"train: error: --out {afile}/sub: {afile} is not a directory",
+        ),
+        (
+            ["--pairs", good, "--out", str(tmp_path / "enc")],
+            f"train: error: {tmp_path / 'enc.partial'} holds files but is not a checkpoint of model.train: "
+            "move or remove it",
+        ),
         (["--batch-size", "0", "--pairs", good, *out], ": error: --batch-size must be at least 1, not 0"),
         (["--pairs", str(nowhere), *out], f"train: error: [Errno 2] No such file or directory: '{nowhere}'"),
         (["--pairs", str(bad), *out], f"train: error: {bad}:2: not UTF-8"),
@@ -203,8 +234,16 @@ def test_bad_flags_data_and_out_are_refused_before_torch_is_imported(tmp_path: P
         else:
             assert message in err.splitlines()[-1], (argv, err)  # argparse's: the usage, then its line
     assert not result["torch"], "torch was imported before a refusal"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "data", "mine", "pairs.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "afile",
+        "bad.jsonl",
+        "data",
+        "enc.partial",
+        "mine",
+        "pairs.jsonl",
+    ]
     assert (kept / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "enc.partial" / "d").read_text() == "y"
 
 
 def test_train_checks_out_against_the_state_file_that_checkpoints_write() -> None:
@@ -375,3 +414,133 @@ def test_fine_tuning_a_fine_tuned_checkpoint_keeps_one_finetuned_suffix(tmp_path
         assert train.main(["--weights", str(previous), *common, "--out", str(tmp_path / generation)]) == 0
         config = json.loads((tmp_path / generation / "config.json").read_text())
         assert config["_name_or_path"] == "scratch-learned-2x32-finetuned"
+
+
+def test_a_fresh_run_removes_only_its_own_leftovers_beside_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A save removes `<out>.partial` and `<out>.previous`: a run refuses to start while either holds
+    what is not its own to remove (a user's files, or a killed run's checkpoint, which it names to
+    resume), and removes an empty one or an unfinished save (its marker inside)."""
+    args = [*TINY, "--pairs", str(write_pairs(tmp_path / "pairs.jsonl")), "--max-steps", "1"]
+    out = tmp_path / "enc"
+    partial, previous = tmp_path / "enc.partial", tmp_path / "enc.previous"
+    previous.mkdir()
+    (previous / "n").write_text("x")
+    assert train.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"train: error: {previous} holds files but is not a checkpoint of model.train: move or remove it\n"
+    )
+    (previous / "n").unlink()
+    partial.mkdir()
+    (partial / "model.safetensors").write_text("half")
+    (partial / directories.SAVING_MARKER).write_text("")
+    assert train.main([*args, "--out", str(out)]) == 0  # an empty .previous, an unfinished save: removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["enc", "pairs.jsonl"]
+
+    out.rename(previous)  # a run killed between save's two renames
+    capsys.readouterr()
+    assert train.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"train: error: {previous} holds a checkpoint that a killed run left: resume it with "
+        f"--resume {previous}, or remove it\n"
+    )
+    assert (previous / checkpoints.STATE_FILE).is_file()
+    assert train.main([*args, "--max-steps", "2", "--resume", str(previous), "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["enc", "pairs.jsonl"]
+    assert torch.load(out / checkpoints.STATE_FILE, weights_only=True)["step"] == 2
+
+    shutil.copytree(out, previous)  # killed after the second rename: an older checkpoint is left
+    capsys.readouterr()
+    assert train.main([*args, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"train: error: {previous} holds a checkpoint that a killed run left, older than {out}'s: "
+        "move or remove it\n"
+    )
+    previous.rename(partial)  # killed after writing it whole, before swapping it in
+    assert train.main([*args, "--resume", str(out), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"train: error: {partial} holds a checkpoint that a killed run left: resume it with "
+        f"--resume {partial} --out DIR (another directory), or remove it\n"
+    )
+    assert (partial / checkpoints.STATE_FILE).is_file()
+
+
+def test_a_diverged_run_stops_at_its_first_non_finite_loss_and_keeps_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4", "--lr", "1e-3", "--max-steps", "6"]
+    args += ["--eval-every", "2"]
+    out = tmp_path / "ckpt"
+    real_loss = loop.batch_loss
+    calls = []
+
+    def nan_from_step_3(model: object, batch: pairs.Batch) -> torch.Tensor:
+        calls.append(1)
+        loss = real_loss(model, batch)  # type: ignore[arg-type]
+        return loss * float("nan") if len(calls) >= 3 else loss
+
+    monkeypatch.setattr(loop, "batch_loss", nan_from_step_3)
+    assert train.main([*args, "--out", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "train: error: step 3: the loss or its gradients are not finite (the run diverged); try a lower "
+        f"--lr than 0.001; the last checkpoint, step 2, is in {out}"
+    )
+    step_2 = load_file(str(out / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in step_2.values())
+    calls[:] = [1, 1]
+    assert train.main([*args, "--resume", str(out), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"; it saved no checkpoint: {out} is unchanged")
+    kept = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(step_2[k], kept[k]) for k in step_2)
+    assert torch.load(out / checkpoints.STATE_FILE, weights_only=True)["step"] == 2
+
+    # A nan loss whose gradients were finite would pass the optimizer's check: no save takes it.
+    monkeypatch.setattr(train, "stop_if_diverged", lambda run, lr: None)
+    calls.clear()
+    other = tmp_path / "other"
+    assert train.main([*args, "--out", str(other)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("train: error: step 3: the loss or its")
+    assert torch.load(other / checkpoints.STATE_FILE, weights_only=True)["step"] == 2
+
+
+def test_resume_with_another_lr_or_warmup_is_refused_and_without_them_keeps_the_schedule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The optimizer state carries the learning rate and the schedule's factor the warm-up: another
+    --lr was ignored, another --warmup (or its default, 10% of a larger budget) re-warmed the run."""
+    scored = write_scored(tmp_path / "sts.csv")
+    args = [*TINY, "--sts-train", str(scored), "--batch-size", "4"]
+    ckpt = tmp_path / "ckpt"
+    assert train.main([*args, "--lr", "1e-3", "--warmup", "1", "--max-steps", "2", "--out", str(ckpt)]) == 0
+    capsys.readouterr()
+    resume = [*args, "--max-steps", "4", "--resume", str(ckpt), "--out", str(ckpt)]
+    for extra, message in [
+        (["--lr", "2e-3"], "--lr 0.001, not 0.002"),
+        (["--warmup", "2"], "--warmup 1, not 2"),
+    ]:
+        assert train.main([*resume, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith(f"train: error: --resume {ckpt}: it was trained with {message}; "), err
+    assert train.main(resume) == 0  # neither given: the run's own
+    lines = (ckpt / checkpoints.LOG_FILE).read_text(encoding="utf-8").splitlines()
+    lrs = [entry["lr"] for entry in map(json.loads, lines) if "lr" in entry]
+    # Each step logs the rate of the next: warm-up 1, then decay to 0 at the (new) total of 4.
+    assert lrs[2:] == pytest.approx([1e-3 / 3, 0.0])  # not 10% of 4 steps' warm-up (0): 1e-3 / 4
+    assert train.main([*resume, "--max-steps", "5", "--lr", "1e-3", "--warmup", "1"]) == 0  # the same
+
+
+def test_a_checkpoints_weights_are_readable_as_its_other_files_are(tmp_path: Path) -> None:
+    """safetensors writes 0600: another uid (a container) could not read the weights."""
+    previous = os.umask(0o022)
+    try:
+        args = [*TINY, "--pairs", str(write_pairs(tmp_path / "pairs.jsonl")), "--max-steps", "1"]
+        assert train.main([*args, "--out", str(tmp_path / "ckpt")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "ckpt").iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes
