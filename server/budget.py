@@ -86,6 +86,14 @@ class Hold:
         self._kept = kept
         return self
 
+    def grow(self, extra: int) -> None:
+        """Take `extra` more (an HTTP body's bytes as they come), or refuse as `reserve` does; a hold
+        it keeps grows too (before this one: what it took is given back when the request closes)."""
+        if self._kept is not None:
+            self._kept.grow(extra)
+        self.budget.reserve(extra)
+        self.amount += extra
+
     def release(self) -> None:
         if self.amount:
             self.budget.release(self.amount)

@@ -332,7 +332,7 @@ _HELP = {
         "(port 0 picks a free port; empty: off)"
     ),
     "http_body_timeout_s": (
-        "seconds an HTTP request body may take to arrive (its size is held against the front's "
+        "seconds an HTTP request body may take to arrive (its bytes are held against the front's "
         "budgets meanwhile); then 408. Also how long an answer may sit unread: then the connection is cut"
     ),
     "message_timeout_s": (

@@ -119,6 +119,20 @@ class Embedder:
                 self.metrics.refusals.labels("request_bytes").inc()
             raise
 
+    def received_more(self, held: Hold, size: int) -> None:
+        """`size` more bytes of a request still arriving (an HTTP body, held as its bytes come), held
+        as `receiving` holds them: refused at once past either budget."""
+        try:
+            held.grow(size)
+        except Overloaded as e:
+            budget = (
+                "request_bytes_held"
+                if e.metadata.get("setting") == "max_request_bytes_held"
+                else "request_bytes"
+            )
+            self.metrics.refusals.labels(budget).inc()
+            raise
+
     async def waiting_to_receive(self, size: int) -> Hold:
         """`receiving`, waiting for room instead of refusing (a stream's reader, which meanwhile reads
         no further). Whatever its size it fits once nothing else is held."""

@@ -434,44 +434,58 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
     assert f"more than {MAX_BODY} bytes" in response.json()["error"]["message"]
 
 
-def test_a_stalled_upload_holds_its_declared_bytes_and_is_ended_with_408():
+def test_a_stalled_upload_holds_the_bytes_it_sent_and_is_ended_with_408():
     """400 uploads stalled one byte short of their Content-Length held 1 GB of a front, unaccounted and
-    for good. The declared size is held from the start (a request that does not fit beside it is
-    refused at once), and the upload is ended after --http-body-timeout-s."""
+    for good; holding each body's declared size from the start instead let 4 connections that sent
+    600 bytes in all refuse every call for 30 s (an adversarial pass). A body's bytes are held as they
+    come (one that does not fit beside them is refused), and the upload is ended after
+    --http-body-timeout-s."""
     settings = {
-        "http_body_timeout_s": 1.5,
+        "http_body_timeout_s": 2.5,
         "http_header_timeout_s": 1.0,
         "max_message_bytes": 200_000,
         "max_request_bytes_in_flight": 200_000,
         "max_request_bytes_held": 200_000,
     }
+    head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     with serving(*flags(settings)) as process:
         host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=30) as stalled:
-            head = "POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            stalled.sendall(f"{head}Content-Length: 150000\r\n\r\n".encode() + b'{"input": "' + b"x" * 1000)
-            time.sleep(0.5)  # read up to where it stops
-            crowded = httpx.post(process.http_url + "/v1/embeddings", json={"input": "y" * 100_000})
-            assert crowded.status_code == 429, crowded.text
-            assert "front busy" in crowded.json()["error"]["message"]
-            received = b""
-            while not received.endswith(b"}}") and (chunk := stalled.recv(65536)):  # head and body
-                received += chunk  # may come in two reads
-            answer = received.decode()
+        url = process.http_url + "/v1/embeddings"
+        with (
+            socket.create_connection((host, int(port)), timeout=30) as small,
+            socket.create_connection((host, int(port)), timeout=30) as large,
+        ):
+            small.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 1000)
+            time.sleep(0.3)  # read up to where it stops
+            beside_small = httpx.post(url, json={"input": "y" * 100_000})
+            large.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 120_000)
+            time.sleep(0.3)
+            beside_large = httpx.post(url, json={"input": "y" * 100_000})
+            answer = _until_answered(small)
             # The rest of the body, still trickling in, is not taken for a next request's headers
             # (which got a second 408 at the header timeout): the connection was closed.
             later = b""
             with contextlib.suppress(OSError):
                 for _ in range(6):
-                    stalled.sendall(b"x" * 100)
+                    small.sendall(b"x" * 100)
                     time.sleep(0.3)
-                while chunk := stalled.recv(65536):
+                while chunk := small.recv(65536):
                     later += chunk
+        assert beside_small.status_code == 200, beside_small.text  # 1,011 bytes held, not 150,000
+        assert beside_large.status_code == 429, beside_large.text  # 120,011 held: 100 kB more do not fit
+        assert "front busy" in beside_large.json()["error"]["message"]
         assert answer.startswith("HTTP/1.1 408"), answer
-        assert "http_body_timeout_s=1.5" in answer and "sent 1011 bytes" in answer, answer
+        assert "http_body_timeout_s=2.5" in answer and "sent 1011 bytes" in answer, answer
         assert "\r\nconnection: close\r\n" in answer and b"408" not in later, (answer, later)
-        after = httpx.post(process.http_url + "/v1/embeddings", json={"input": "y" * 100_000})
+        after = httpx.post(url, json={"input": "y" * 100_000})
         assert after.status_code == 200, after.text
+
+
+def _until_answered(sock: socket.socket) -> str:
+    received = b""
+    while not received.endswith(b"}}") and (chunk := sock.recv(65536)):  # head and body
+        received += chunk  # may come in two reads
+    return received.decode()
 
 
 @pytest.mark.parametrize(
