@@ -26,11 +26,6 @@ from minilm_embed.server.tokenization import (
 from minilm_embed.server.transport import Answer, EngineClient
 
 T = TypeVar("T")
-# What a token id costs a front once its request is parsed: gRPC's int64s in protobuf's arena (a 2 MB
-# message of 2M one-byte ids parsed to 26 MB, ~13 bytes an id), HTTP's int64 arrays. The wire gave it
-# 1-2 bytes, so holding a request's wire bytes alone let 32 such requests waiting take a front past
-# 2 GB (an adversarial pass); its ids are held at this, beside (not on top of) its bytes.
-PARSED_ID_BYTES = 16
 
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
@@ -138,24 +133,6 @@ class Embedder:
             self.metrics.refusals.labels(budget).inc()
             raise
 
-    def _hold_parsed_ids(self, received: Hold, ids: int) -> None:
-        """The request's parsed ids held (PARSED_ID_BYTES each) where they cost more than its bytes."""
-        cost = PARSED_ID_BYTES * ids
-        if cost > self.request_bytes.limit:
-            raise InvalidInput(
-                f"{ids} token ids in one request take {cost} bytes once parsed ({PARSED_ID_BYTES} an id), "
-                f"more than max_request_bytes_in_flight={self.request_bytes.limit} allows one request: "
-                f"send fewer (each input is cut at {self.tokenizer.limits.max_input_tokens} tokens: ids "
-                "past that are only cost)",
-                "TOO_MANY_TOKEN_IDS",
-                "token_ids",
-                setting="max_request_bytes_in_flight",
-                limit=self.request_bytes.limit,
-                value=cost,
-            )
-        if cost > received.amount:
-            self.received_more(received, cost - received.amount)
-
     async def waiting_to_receive(self, size: int) -> Hold:
         """`receiving`, waiting for room instead of refusing (a stream's reader, which meanwhile reads
         no further). Whatever its size it fits once nothing else is held."""
@@ -175,8 +152,6 @@ class Embedder:
                 "set either `texts` or `token_ids`, not both", "TEXTS_AND_TOKEN_IDS", "token_ids"
             )
         self.tokenizer.check_count(job.count, field=inputs_field(job.texts, job.token_ids))
-        if received is not None and job.token_ids:
-            self._hold_parsed_ids(received, sum(map(len, job.token_ids)))
         self.engine.check_capacity(job.count, job.bulk)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)
