@@ -89,7 +89,7 @@ def test_sync_client_raises_invalid_input_naming_the_input(server):
 def test_async_client_raises_invalid_input_naming_the_input(server):
     async def call() -> None:
         async with AsyncEmbeddingClient(server.address, timeout=30) as c:
-            await c.embed_ids([[101, 10**9]])
+            await c.embed_ids([[101, 10**9, 102]])  # framed: another tokenizer's ids are named as such
 
     with pytest.raises(InvalidInput, match="token id 1000000000 at position 1") as e:
         asyncio.run(call())
