@@ -126,12 +126,12 @@ class Contract:
                 break
             if not ids:
                 problem = Expect(INVALID, "empty token-id sequence", "EMPTY_INPUT")
+            elif (ids[0], ids[-1]) != FRAME:  # named first: another tokenizer's ids run past this vocabulary
+                framed = "token ids must start with [CLS] (101) and end with [SEP] (102)"
+                problem = Expect(INVALID, framed, "TOKEN_IDS_NOT_FRAMED")
             elif any(not 0 <= t < self.limits.vocab_size for t in ids):
                 vocabulary = f"outside the vocabulary [0, {self.limits.vocab_size})"
                 problem = Expect(INVALID, vocabulary, "TOKEN_ID_OUT_OF_RANGE")
-            elif (ids[0], ids[-1]) != FRAME:
-                framed = "token ids must start with [CLS] (101) and end with [SEP] (102)"
-                problem = Expect(INVALID, framed, "TOKEN_IDS_NOT_FRAMED")
         if problem is None and not truncate and any(len(ids) > self.limits.max_input_tokens for ids in rows):
             problem = self._too_long()
         return problem or OK
