@@ -26,6 +26,11 @@ from minilm_embed.server.tokenization import (
 from minilm_embed.server.transport import Answer, EngineClient
 
 T = TypeVar("T")
+# embed_requests_refused_total's reason for a refusal by each byte budget, by the setting it names.
+REFUSAL_LABELS = {
+    "max_request_bytes_held": "request_bytes_held",
+    "max_request_bytes_in_flight": "request_bytes",
+}
 
 if TYPE_CHECKING:  # imported only when tracing is on (server/tracing.py)
     from minilm_embed.server.tracing import RequestTracer
@@ -106,31 +111,21 @@ class Embedder:
     def receiving(self, size: int) -> Hold:
         """Hold a request's `size` bytes until it is tokenized (`release`) and until it is answered
         (`close`); refused at once past either budget."""
+        hold = self.request_bytes.hold(0).keeping(self.held_bytes.hold(0))
         try:
-            held = self.held_bytes.hold(size)
-        except Overloaded:
-            self.metrics.refusals.labels("request_bytes_held").inc()
+            self.received_more(hold, size)
+        except BaseException:
+            hold.close()
             raise
-        try:
-            return self.request_bytes.hold(size).keeping(held)
-        except BaseException as e:
-            held.close()
-            if isinstance(e, Overloaded):
-                self.metrics.refusals.labels("request_bytes").inc()
-            raise
+        return hold
 
     def received_more(self, held: Hold, size: int) -> None:
-        """`size` more bytes of a request still arriving (an HTTP body, held as its bytes come), held
-        as `receiving` holds them: refused at once past either budget."""
+        """`size` more bytes of a request held (an HTTP body's as they come): refused at once past
+        either budget, counted under the budget's label."""
         try:
             held.grow(size)
         except Overloaded as e:
-            budget = (
-                "request_bytes_held"
-                if e.metadata.get("setting") == "max_request_bytes_held"
-                else "request_bytes"
-            )
-            self.metrics.refusals.labels(budget).inc()
+            self.metrics.refusals.labels(REFUSAL_LABELS[e.metadata["setting"]]).inc()
             raise
 
     async def waiting_to_receive(self, size: int) -> Hold:

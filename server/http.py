@@ -411,9 +411,7 @@ def _close_if_body_unread(request: Request, response: Response) -> None:
         response.headers["connection"] = "close"
 
 
-async def read_body(
-    request: Request, limit: int, timeout_s: float, received: Callable[[int], None] = lambda size: None
-) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float, received: Callable[[int], None]) -> bytes:
     """The body, refused (413) as soon as the bytes read pass `limit`, and (408) if it has not all
     arrived after `timeout_s`; `received(size)` is told of each chunk's bytes as it comes (and may
     refuse them)."""
