@@ -75,23 +75,24 @@ def checkpoint_copy(tmp_path: Path) -> Callable[..., Path]:
 # the longest first, then the rest in collection order, so that the run does not end with one worker
 # alone on a long file while the others idle. xdist's own reorder (most tests first) is turned off
 # in the Makefile. Seconds per file, summed over set-up, call and tear-down, from `make test`'s first
-# run on three workers (Zen 3, 2 vCPUs, 2026-11-28); a stale table costs only balance, never a result.
+# run on three workers (Zen 3, 2 vCPUs, 2026-11-29); a stale table costs only balance, never a result.
 LONGEST_FILES = {
-    "test_export.py": 243,
-    "test_server.py": 192,
-    "test_bulk.py": 183,
-    "test_train.py": 70,
-    "test_http.py": 68,
-    "test_fronts.py": 58,
-    "test_packaging.py": 55,
-    "test_security.py": 43,
-    "test_server_config.py": 40,
-    "test_fp16.py": 39,
-    "test_repository.py": 37,
-    "test_front_restarts.py": 34,
-    "test_prometheus.py": 31,
-    "test_client.py": 25,
-    "test_logs.py": 22,
+    "test_server.py": 250,
+    "test_export.py": 169,
+    "test_bulk.py": 167,
+    "test_fronts.py": 88,
+    "test_http.py": 72,
+    "test_server_config.py": 64,
+    "test_packaging.py": 58,
+    "test_train.py": 56,
+    "test_front_restarts.py": 54,
+    "test_fp16.py": 41,
+    "test_security.py": 35,
+    "test_repository.py": 33,
+    "test_prometheus.py": 32,
+    "test_call_bounds.py": 28,
+    "test_tracing.py": 28,
+    "test_logs.py": 26,
 }
 
 

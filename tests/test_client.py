@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from minilm_embed.client.client import EmbeddingClient
+from tests import cli_process
 from tests.server_process import ServerProcess, serving
 from tests.test_server import SHORT, TINY, assert_close, free_port
 
@@ -38,16 +39,10 @@ def client(server: ServerProcess) -> Iterator[EmbeddingClient]:
 def run_client(
     *args: str, env: dict[str, str] | None = None, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """The client as `python -m minilm_embed.client ARGS` runs it, as a process forked from one that has
+    imported it (tests/cli_process.py)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("EMBED_")}  # no stray settings
-    return subprocess.run(
-        [sys.executable, "-m", "minilm_embed.client", *args],
-        cwd=ROOT,
-        env={**environment, **(env or {})},
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return cli_process.run_client(args, {**environment, **(env or {})}, ROOT, stdin=stdin)
 
 
 def test_embed_prints_json_with_one_vector_per_text(server, client):
