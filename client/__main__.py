@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 from minilm_embed.client import bulk
 from minilm_embed.client.client import (
     DEFAULT_ADDRESS,
+    MAX_MESSAGE_BYTES,
     MAX_TIMEOUT_S,
     AsyncEmbeddingClient,
     EmbeddingClient,
@@ -303,12 +304,15 @@ def progress() -> Iterator[Callable[[int], None]]:
 
 
 def served(info: pb.InfoResponse) -> bulk.Served:
+    """What the job sizes its requests by: the server's limits, and for messages the smaller of its
+    max_message_bytes and the client's own (an answer past the client's is refused on arrival: a
+    job of --batch-size 50000 on a server of 128 MiB messages was told the server's limits changed)."""
     limits = info.limits
     return bulk.Served(
         info.dimensions,
         limits.max_inputs_per_request,
         limits.max_text_chars,
-        limits.max_message_bytes,
+        min(limits.max_message_bytes or MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES),
         limits.queue_limit,
         info.onnx_sha256,
     )

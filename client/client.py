@@ -47,7 +47,12 @@ def service_config(max_attempts: int = 5) -> str:
     )
 
 
-def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, Any]]:
+# The largest message the client's channels send or receive: an answer past it is refused by the
+# client's own gRPC (RESOURCE_EXHAUSTED), whatever the server's max_message_bytes.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """gRPC channel options: the service config, retries on, and the largest message either way."""
     return [
         ("grpc.service_config", service_config()),

@@ -24,9 +24,11 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from minilm_embed.client import __main__ as cli
 from minilm_embed.client import bulk
-from minilm_embed.client.client import EmbeddingClient
+from minilm_embed.client.client import MAX_MESSAGE_BYTES, EmbeddingClient
 from minilm_embed.client.errors import from_rpc_error
+from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from tests import test_client, test_security
 from tests.server_process import ServerProcess, serving
 from tests.test_client import run_client
@@ -742,6 +744,21 @@ def test_a_batch_size_over_the_servers_limit_is_capped_to_it(server, client, tmp
     assert done.returncode == 0, done.stderr
     assert np.load(out).shape == (300, 384)
     assert_close(np.load(out)[-3:], alone(client, lines[-3:]))
+
+
+def test_answers_are_sized_to_the_clients_own_message_limit_below_a_larger_servers():
+    """A server of 128 MiB messages (and 100,000 inputs a request) answering --batch-size 50000: the
+    answer's 50,000 rows (~77 MB) passed the server's limit and were refused by the client's own 64 MiB
+    one, which the job reported as the server's limits having changed (an acceptance pass)."""
+    info = pb.InfoResponse(dimensions=384)
+    info.limits.max_message_bytes = 128 << 20
+    info.limits.max_inputs_per_request = info.limits.queue_limit = 100_000
+    job = bulk.Job(source=None, out=Path("v.npy"), batch_size=50_000)
+    rows = cli.served(info).batch_size(job)
+    assert rows * (4 * 384 + bulk.ROW_FRAMING) + bulk.MESSAGE_FRAMING <= MAX_MESSAGE_BYTES, rows
+    assert rows > 40_000  # the client's limit, not a smaller one
+    info.limits.max_message_bytes = 0  # a server that says none: the client's limit still holds
+    assert cli.served(info).batch_size(job) == rows
 
 
 @pytest.fixture(scope="module")
