@@ -363,8 +363,8 @@ _HELP = {
     "max_inputs_per_request": "inputs in one Embed/Tokenize request",
     "max_text_chars": "characters in one text, checked before tokenization",
     "max_tokenizing_chars": (
-        "characters being tokenized at once per front process (a text counts at most 4096); "
-        "beyond it requests get RESOURCE_EXHAUSTED"
+        "characters being tokenized at once per front process (a text counts at most 4096, "
+        "whole in a Tokenize call with truncate=false); beyond it requests get RESOURCE_EXHAUSTED"
     ),
     "queue_limit": "inputs waiting for a batch; beyond it requests get RESOURCE_EXHAUSTED",
     "bulk_queue_share": "bulk requests are admitted only while fewer than this share of queue_limit wait",
