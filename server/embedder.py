@@ -58,9 +58,13 @@ NON_ASCII_WEIGHT = 16
 INLINE_TOKEN_IDS = 16384
 
 
-@dataclass(frozen=True)
+@dataclass
 class EmbedJob:
-    """One embedding request, in the front's terms: texts or token ids (one of them), and options."""
+    """One embedding request, in the front's terms: texts or token ids (one of them), and options.
+
+    The embedder lets go of the inputs once they are tokenized (`let_go`): parsed, they can cost far
+    more than their bytes on the wire (2M one-byte token ids of a 2 MB gRPC message are ~26 MB of
+    protobuf), and a request then waits seconds for the engine with only its token arrays needed."""
 
     texts: Sequence[str] = ()
     token_ids: Sequence[TokenRow] = ()
@@ -73,6 +77,10 @@ class EmbedJob:
     @property
     def count(self) -> int:
         return len(self.texts) or len(self.token_ids)
+
+    def let_go(self) -> None:
+        """Drop the inputs (and with token ids, the parsed message they are views of)."""
+        self.texts, self.token_ids = (), ()
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ class Embedder:
         self.engine.check_capacity(job.count, job.bulk)  # refuse overload before paying for tokenization
         tokenizing = time.perf_counter()
         prepared = await self._prepare(job)
+        job.let_go()
         if received is not None:
             received.release()
         tokenized = time.perf_counter()
