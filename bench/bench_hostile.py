@@ -9,8 +9,8 @@ flags (and any --server-flag), and the peak resident memory of each server proce
 (docs/benchmarks.md, "Hostile input": what --max-concurrent-calls bounds).
 
 For each kind of flood (Embed of as many 100 kB texts as the default message limit allows,
-Tokenize of the same, EmbedStream items of 8 such texts, Embed of 256 inputs of 256 token ids, Embed
-of 256 inputs of ~8,000 one-byte token ids (2 MB), an HTTP body of one input of 419,000 token ids;
+Tokenize of the same, EmbedStream items of 8 such texts, Embed of 256 inputs of ~8,000 one-byte token
+ids (2 MiB; 256 ids each until 2026-11-29), an HTTP body of one input of 419,000 token ids;
 `--only HTTP` runs the floods whose name holds HTTP):
 the answers' status codes, the server's resident memory (all its processes) idle, at peak and 10 s
 after the load (in all and per process), and the latency of a short Tokenize probe sent every

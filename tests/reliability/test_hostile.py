@@ -1,7 +1,7 @@
 """Valid but hostile input (issue 14): 16 callers sending the largest requests the limits allow,
 of the longest texts, one kind of call after another on one server (Embed for 30 s, Tokenize,
-EmbedStream, 256 inputs of 256 token ids and 256 of ~8,000 one-byte ids (the 2 MB message, ~26 MB
-parsed) for 5 s each), while a probe asks every 100 ms.
+EmbedStream and 256 inputs of ~8,000 one-byte token ids (the 2 MiB message, ~26 MB parsed) for 5 s
+each), while a probe asks every 100 ms.
 
 What must hold, each flood: every call ends OK or RESOURCE_EXHAUSTED and some are answered, the
 probe is answered every time, resident memory (all the server's processes) stays below 2x its idle
