@@ -49,6 +49,9 @@ from tests.test_server import error_details
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = (ROOT / "export" / "parity_sentences.txt").read_text(encoding="utf-8").splitlines()
 FRONTS = 2
+# A front's budget for the bytes of requests being parsed and tokenized, held to one 1.2 MB request
+# (its default largest message, 2 MiB, set too): two_fronts' other tests send only small requests.
+BYTE_BUDGET = 2 << 20
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,8 @@ def reference(model_dir: Path) -> Reference:
 
 @pytest.fixture(scope="module")
 def two_fronts() -> Iterator[ServerProcess]:
-    with serving("--front-processes", str(FRONTS)) as process:
+    budget = ("--max-message-bytes", str(BYTE_BUDGET), "--max-request-bytes-in-flight", str(BYTE_BUDGET))
+    with serving("--front-processes", str(FRONTS), *budget) as process:
         yield process
 
 
@@ -369,16 +373,18 @@ def test_sigterm_drains_every_front_answers_every_accepted_call_and_exits_0(refe
     assert not [pid for pid in children if running(pid)], "a child outlived the server"
 
 
-def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_wait_instead(reference):
+def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_wait_instead(
+    two_fronts, reference
+):
     """A request's bytes are held while it is parsed and tokenized. Where the budget holds one
     1.2 MB request, a second one sent while the first is tokenized whole (~0.5 s) is refused
     at once naming the setting; a short one still fits; a stream's two such items both get answers
-    (the stream waits for room instead)."""
-    budget = 2 << 20
+    (the stream waits for room instead). On two_fronts, started with this budget: the calls share one
+    channel, so one connection, so one front and its budget."""
+    budget = BYTE_BUDGET
     rng = random.Random(0)
     words = [("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 12)))) for _ in range(12_000)]
     big = [" ".join(words)[:100_000]] * 12  # 1.2 MB on the wire, ~0.5 s to tokenize whole
-    flags = ("--max-message-bytes", str(budget), "--max-request-bytes-in-flight", str(budget))
 
     async def scenario(process: ServerProcess) -> None:
         async with grpc.aio.insecure_channel(process.address) as channel:
@@ -400,8 +406,7 @@ def test_requests_past_the_fronts_byte_budget_are_refused_unparsed_and_streams_w
             assert sorted(a.id for a in answers) == ["0", "1"]
             assert all(a.WhichOneof("result") == "response" for a in answers)
 
-    with serving(*flags) as process:
-        asyncio.run(scenario(process))
+    asyncio.run(scenario(two_fronts))
 
 
 def test_a_kernel_without_pidfd_open_is_named_not_only_its_errno(monkeypatch):

@@ -434,51 +434,64 @@ def test_a_body_over_the_limit_is_refused_with_413(server):
     assert f"more than {MAX_BODY} bytes" in response.json()["error"]["message"]
 
 
-def test_a_stalled_upload_holds_the_bytes_it_sent_and_is_ended_with_408():
+# Short HTTP timeouts and a small byte budget, without a token: one server for the stalled upload's test
+# and the unread answers' (each start costs model load and warm-up). Each test closes its connections
+# by its end; were the unread answers' last request (2 kB) still being computed as the stalled upload
+# begins, its bytes held fit beside the 101 kB that test needs held at once (200,000 bytes).
+TIMEOUTS_FLAGS = {
+    "http_body_timeout_s": 2.5,
+    "http_header_timeout_s": 1.0,
+    "max_message_bytes": 200_000,
+    "max_request_bytes_in_flight": 200_000,
+    "max_request_bytes_held": 200_000,
+    "max_inputs_per_request": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def timeouts_server() -> Iterator[ServerProcess]:
+    with serving(*flags(TIMEOUTS_FLAGS)) as process:
+        yield process
+
+
+def test_a_stalled_upload_holds_the_bytes_it_sent_and_is_ended_with_408(timeouts_server):
     """400 uploads stalled one byte short of their Content-Length held 1 GB of a front, unaccounted and
     for good; holding each body's declared size from the start instead let 4 connections that sent
     600 bytes in all refuse every call for 30 s (an adversarial pass). A body's bytes are held as they
     come (one that does not fit beside them is refused), and the upload is ended after
     --http-body-timeout-s."""
-    settings = {
-        "http_body_timeout_s": 2.5,
-        "http_header_timeout_s": 1.0,
-        "max_message_bytes": 200_000,
-        "max_request_bytes_in_flight": 200_000,
-        "max_request_bytes_held": 200_000,
-    }
     head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    with serving(*flags(settings)) as process:
-        host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
-        url = process.http_url + "/v1/embeddings"
-        with (
-            socket.create_connection((host, int(port)), timeout=30) as small,
-            socket.create_connection((host, int(port)), timeout=30) as large,
-        ):
-            small.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 1000)
-            time.sleep(0.3)  # read up to where it stops
-            beside_small = httpx.post(url, json={"input": "y" * 100_000})
-            large.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 120_000)
-            time.sleep(0.3)
-            beside_large = httpx.post(url, json={"input": "y" * 100_000})
-            answer = _until_answered(small)
-            # The rest of the body, still trickling in, is not taken for a next request's headers
-            # (which got a second 408 at the header timeout): the connection was closed.
-            later = b""
-            with contextlib.suppress(OSError):
-                for _ in range(6):
-                    small.sendall(b"x" * 100)
-                    time.sleep(0.3)
-                while chunk := small.recv(65536):
-                    later += chunk
-        assert beside_small.status_code == 200, beside_small.text  # 1,011 bytes held, not 150,000
-        assert beside_large.status_code == 429, beside_large.text  # 120,011 held: 100 kB more do not fit
-        assert "front busy" in beside_large.json()["error"]["message"]
-        assert answer.startswith("HTTP/1.1 408"), answer
-        assert "http_body_timeout_s=2.5" in answer and "sent 1011 bytes" in answer, answer
-        assert "\r\nconnection: close\r\n" in answer and b"408" not in later, (answer, later)
-        after = httpx.post(url, json={"input": "y" * 100_000})
-        assert after.status_code == 200, after.text
+    process = timeouts_server
+    host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
+    url = process.http_url + "/v1/embeddings"
+    with (
+        socket.create_connection((host, int(port)), timeout=30) as small,
+        socket.create_connection((host, int(port)), timeout=30) as large,
+    ):
+        small.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 1000)
+        time.sleep(0.3)  # read up to where it stops
+        beside_small = httpx.post(url, json={"input": "y" * 100_000})
+        large.sendall(head + b"Content-Length: 150000\r\n\r\n" + b'{"input": "' + b"x" * 120_000)
+        time.sleep(0.3)
+        beside_large = httpx.post(url, json={"input": "y" * 100_000})
+        answer = _until_answered(small)
+        # The rest of the body, still trickling in, is not taken for a next request's headers
+        # (which got a second 408 at the header timeout): the connection was closed.
+        later = b""
+        with contextlib.suppress(OSError):
+            for _ in range(6):
+                small.sendall(b"x" * 100)
+                time.sleep(0.3)
+            while chunk := small.recv(65536):
+                later += chunk
+    assert beside_small.status_code == 200, beside_small.text  # 1,011 bytes held, not 150,000
+    assert beside_large.status_code == 429, beside_large.text  # 120,011 held: 100 kB more do not fit
+    assert "front busy" in beside_large.json()["error"]["message"]
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert "http_body_timeout_s=2.5" in answer and "sent 1011 bytes" in answer, answer
+    assert "\r\nconnection: close\r\n" in answer and b"408" not in later, (answer, later)
+    after = httpx.post(url, json={"input": "y" * 100_000})
+    assert after.status_code == 200, after.text
 
 
 def _until_answered(sock: socket.socket) -> str:
@@ -518,28 +531,28 @@ def test_a_model_not_served_is_named_cut_short(server):
     assert len(response.content) < 1000, response.content[:300]
 
 
-def test_a_client_that_never_reads_its_answers_is_cut_off_after_the_body_timeout():
+def test_a_client_that_never_reads_its_answers_is_cut_off_after_the_body_timeout(timeouts_server):
     """A client that pipelines requests and never reads held its connection (one of
     --http-max-connections), an answer task and a response body in the front for good, since uvicorn
     waits without limit for a socket to drain. It is now cut off once its socket has stayed full
-    for --http-body-timeout-s."""
-    with serving(*flags({"http_body_timeout_s": 2, "max_inputs_per_request": 64})) as process:
-        host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
-        body = orjson.dumps({"input": ["a sentence of a few words"] * 64})  # ~300 kB answers
-        head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
-        sent = 30  # ~9 MB of answers: more than the kernel's socket buffers hold
-        with socket.socket() as reader:
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            reader.connect((host, int(port)))
-            reader.sendall((head.encode() + body) * sent)
-            time.sleep(10)  # answers computed, the socket full, and the timeout passed
-            reader.settimeout(15)
-            received = bytearray()
-            with contextlib.suppress(ConnectionResetError, TimeoutError):
-                while chunk := reader.recv(1 << 20):
-                    received += chunk
-        assert received.count(b"HTTP/1.1 200") < sent
-        assert httpx.get(process.http_url + "/health").status_code == 200
+    for --http-body-timeout-s (2.5 s on timeouts_server)."""
+    process = timeouts_server
+    host, port = process.http_url.removeprefix("http://").rsplit(":", 1)
+    body = orjson.dumps({"input": ["a sentence of a few words"] * 64})  # ~300 kB answers
+    head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    sent = 30  # ~9 MB of answers: more than the kernel's socket buffers hold
+    with socket.socket() as reader:
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.connect((host, int(port)))
+        reader.sendall((head.encode() + body) * sent)
+        time.sleep(10)  # answers computed, the socket full, and the timeout passed
+        reader.settimeout(15)
+        received = bytearray()
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            while chunk := reader.recv(1 << 20):
+                received += chunk
+    assert received.count(b"HTTP/1.1 200") < sent
+    assert httpx.get(process.http_url + "/health").status_code == 200
 
 
 def test_a_client_reading_its_answer_slowly_but_steadily_gets_all_of_it():

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -25,7 +26,7 @@ from minilm_embed.server.config import (
     env_name,
     load_config,
 )
-from tests.server_process import loopback_command, model_dir, serving, start_server
+from tests.server_process import ServerProcess, loopback_command, model_dir, serving
 from tests.test_security import _authority
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,21 +313,42 @@ def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():
     )
 
 
-def test_server_process_takes_settings_from_env_and_flags_over_env():
-    env = {"EMBED_MAX_INPUTS_PER_REQUEST": "7", "EMBED_MAX_BATCH_SIZE": "4", "EMBED_QUEUE_LIMIT": "99"}
-    server = start_server("--max-batch-size", "8", env=env).wait_serving()
-    try:
-        with EmbeddingClient(server.address, timeout=30) as c:
-            limits = c.info().limits
-            assert (limits.max_inputs_per_request, limits.max_batch_size, limits.queue_limit) == (7, 8, 99)
-            assert limits.max_batch_tokens == 1024  # auto: the CPU's, the provider this server runs on
-            assert c.embed(["x"] * 7).shape == (7, 384)
-            with pytest.raises(grpc.RpcError) as e:
-                c.embed(["x"] * 8)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "max_inputs_per_request=7" in e.value.details()
-    finally:
-        server.stop()
+# One server for the three tests that only call a server started from the environment and read what it
+# logged as it started (each start costs model load and warm-up): settings from EMBED_* variables with a
+# flag over one of them, misspelled variables beside them, and gRPC on an empty host with /metrics on
+# [::1]. None of these settings bears on another's test.
+SETTINGS_ENV = {"EMBED_MAX_INPUTS_PER_REQUEST": "7", "EMBED_MAX_BATCH_SIZE": "4", "EMBED_QUEUE_LIMIT": "99"}
+MISSPELLED_ENV = {
+    "EMBED_MAX_BATCH_SIZ": "5",  # not the flag's 8 nor EMBED_MAX_BATCH_SIZE's 4: were it read, Info says so
+    "EMBED_DEVCE": "cpu",
+    "EMBED_DATA_DIR": "/data",
+    "EMBED_TOKEN": "t",
+}
+
+
+@dataclasses.dataclass
+class StartedServer:
+    process: ServerProcess
+    lines_at_start: list[str]  # its log once it served, before any test called it
+
+
+@pytest.fixture(scope="module")
+def env_server() -> Iterator[StartedServer]:
+    args = ("--max-batch-size", "8", "--address", ":0", "--metrics-address", "[::1]:0")
+    with serving(*args, env={**SETTINGS_ENV, **MISSPELLED_ENV}) as process:
+        yield StartedServer(process, list(process.lines))
+
+
+def test_server_process_takes_settings_from_env_and_flags_over_env(env_server):
+    with EmbeddingClient(env_server.process.address, timeout=30) as c:
+        limits = c.info().limits
+        assert (limits.max_inputs_per_request, limits.max_batch_size, limits.queue_limit) == (7, 8, 99)
+        assert limits.max_batch_tokens == 1024  # auto: the CPU's, the provider this server runs on
+        assert c.embed(["x"] * 7).shape == (7, 384)
+        with pytest.raises(grpc.RpcError) as e:
+            c.embed(["x"] * 8)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_inputs_per_request=7" in e.value.details()
 
 
 def test_the_tokenizing_budget_refuses_what_never_fits_and_what_does_not_fit_now():
@@ -462,14 +484,14 @@ def test_a_port_out_of_range_is_refused_by_the_server_without_a_traceback():
     assert "--address (EMBED_ADDRESS) '127.0.0.1:99999'" in line and "65535" in line
 
 
-def test_an_empty_host_and_a_bracketed_ipv6_host_serve():
+def test_an_empty_host_and_a_bracketed_ipv6_host_serve(env_server):
     """`:port` (every IPv4 interface) for gRPC, as HTTP and /metrics read it, and [::1] for /metrics."""
-    with serving("--address", ":0", "--metrics-address", "[::1]:0") as server:
-        with EmbeddingClient(server.address, timeout=30) as c:  # 127.0.0.1: one of every interface
-            assert c.embed(["x"]).shape == (1, 384)
-        with socket.create_connection(("::1", server.metrics_port), timeout=5) as sock:
-            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            assert sock.recv(12).startswith(b"HTTP/1.0 200")
+    server = env_server.process
+    with EmbeddingClient(server.address, timeout=30) as c:  # 127.0.0.1: one of every interface
+        assert c.embed(["x"]).shape == (1, 384)
+    with socket.create_connection(("::1", server.metrics_port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert sock.recv(12).startswith(b"HTTP/1.0 200")
 
 
 def held_port(reuseport: bool) -> socket.socket:
@@ -824,10 +846,9 @@ def test_no_variable_the_project_itself_sets_or_reads_is_taken_for_a_misspelling
     assert unknown_variables(dict.fromkeys(names, "x")) == []
 
 
-def test_the_server_warns_once_of_variables_that_are_no_setting():
-    env = {"EMBED_MAX_BATCH_SIZ": "8", "EMBED_DEVCE": "cpu", "EMBED_DATA_DIR": "/data", "EMBED_TOKEN": "t"}
-    with serving(env=env) as server:
-        warnings = [line for line in server.lines if "WARNING" in line]
+def test_the_server_warns_once_of_variables_that_are_no_setting(env_server):
+    """MISSPELLED_ENV, on env_server: what it logged until it served, as it starts."""
+    warnings = [line for line in env_server.lines_at_start if "WARNING" in line]
     assert len(warnings) == 1, warnings
     assert "EMBED_DEVCE (closest setting: EMBED_DEVICE)" in warnings[0]
     assert "EMBED_MAX_BATCH_SIZ (closest setting: EMBED_MAX_BATCH_SIZE)" in warnings[0]
