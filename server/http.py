@@ -252,12 +252,14 @@ class HttpApi:
                 else:  # 2 MB of JSON took 20-40 ms to parse and check (one list of ids): not on the loop
                     parsed = await self.embedder.off_loop(parse_embeddings, body, self.card, most)
                 job = dataclasses.replace(parsed.job, request_id=logs.current_request_id.get())
+                as_base64 = parsed.base64
+                del parsed  # only the job holds the inputs, and lets go of them once tokenized
                 inputs[0] = job.count
                 try:
                     embedded = await embed_while_connected(self.embedder, job, request, held)
                 except InvalidInput as e:  # a limit an input broke: OpenAI names the field
                     raise InvalidField("input", str(e), e.reason, **e.metadata) from None
-            return json_response(embeddings_body(embedded, parsed.base64, self.card.id))
+            return json_response(embeddings_body(embedded, as_base64, self.card.id))
 
         return await self._serve(HTTP_EMBEDDINGS, EMBEDDINGS_ROUTE, request, embed, inputs)
 

@@ -17,6 +17,7 @@ from minilm_embed.server.embedder import (
     INLINE_TOKENIZE_CHARS,
     NON_ASCII_WEIGHT,
     Embedder,
+    EmbedJob,
 )
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.tokenization import InputLimits, RequestTokenizer
@@ -90,3 +91,36 @@ def test_after_a_slow_inline_run_such_requests_go_to_the_thread_until_the_rate_d
     e._inline_rate.observed_at -= 10 * INLINE_RATE_HALF_LIFE_S  # ten half-lives later
     run([SENTENCE] * 32)
     assert pool.handed == 2
+
+
+class Stop(Exception):
+    """What the stand-in engine raises once it has looked at the job."""
+
+
+@pytest.mark.parametrize("inputs", [{"texts": [SENTENCE] * 3}, {"token_ids": [[101, 1037, 2158, 102]] * 3}])
+def test_a_job_lets_go_of_its_inputs_before_it_waits_for_the_engine(tokenizer, inputs):
+    """Parsed, a request's inputs can cost far more than their bytes (2M one-byte token ids of a 2 MB
+    gRPC message are ~26 MB of protobuf, of which the ids are views), and the request then waits
+    seconds for the engine: by then the job holds only its token arrays."""
+    e, _ = embedder(tokenizer)
+    job = EmbedJob(**inputs)
+    seen = []
+
+    class Engine:
+        def check_capacity(self, count: int, bulk: bool) -> None:
+            pass
+
+        async def embed(self, lengths, ids, *rest):  # type: ignore[no-untyped-def]
+            seen.append((job.texts, job.token_ids, lengths.tolist()))
+            raise Stop
+
+    class Ready:
+        def check(self) -> None:
+            pass
+
+    e.engine, e.readiness = Engine(), Ready()  # type: ignore[assignment]
+    with pytest.raises(Stop):
+        asyncio.run(e.embed(job))
+    ((texts, token_ids, lengths),) = seen
+    assert (texts, token_ids) == ((), ())
+    assert len(lengths) == 3 and min(lengths) >= 4  # the engine got the three inputs' tokens
