@@ -306,8 +306,9 @@ def within(
             )
         if max_message_bytes and len(record.text) > most // 4 and (size := utf8_size(record.text)) > most:
             raise InputFileError(
-                f"{name}:{record.line}: {size} bytes of UTF-8, more than one request can carry under the "
-                f"server's limit max_message_bytes={max_message_bytes}"
+                f"{name}:{record.line}: {size} bytes of UTF-8, more than one request can carry under "
+                f"max_message_bytes={max_message_bytes} (the server's limit, or the client's own where "
+                "that is smaller)"
             )
         yield record
 

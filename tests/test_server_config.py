@@ -319,7 +319,7 @@ def test_max_batch_tokens_below_the_model_max_tokens_is_refused_at_start():
 # [::1]. None of these settings bears on another's test.
 SETTINGS_ENV = {"EMBED_MAX_INPUTS_PER_REQUEST": "7", "EMBED_MAX_BATCH_SIZE": "4", "EMBED_QUEUE_LIMIT": "99"}
 MISSPELLED_ENV = {
-    "EMBED_MAX_BATCH_SIZ": "5",  # not the flag's 8 nor EMBED_MAX_BATCH_SIZE's 4: were it read, Info says so
+    "EMBED_MAX_BATCH_SIZ": "5",  # misspelled: warned of, never read (the flag's 8 would hide it anyway)
     "EMBED_DEVCE": "cpu",
     "EMBED_DATA_DIR": "/data",
     "EMBED_TOKEN": "t",
