@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import re
-import resource
 import signal
 import stat
 import subprocess
@@ -1302,21 +1301,24 @@ def test_a_write_error_says_how_many_rows_the_file_really_holds(server, tmp_path
     batch (192), the file held some of its rows whole too (195), and --resume went on from those."""
     path, out = tmp_path / "in.txt", tmp_path / f"v{suffix}"
     path.write_text("".join(t + "\n" for t in corpus(300)), encoding="utf-8")
-    command = [sys.executable, "-m", "minilm_embed.client", "--address", server.address, "embed-file"]
-
-    def at_most_300_kb() -> None:  # in the child: its writes past 300,000 bytes fail with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
-
+    # The client's writes past 300,000 bytes fail with EFBIG (`ulimit -f`), set in its own process
+    # before it runs as `python -m` would. Not by a preexec_fn: that forked this test's process, gRPC's
+    # threads and at-fork handlers with it, and twice in CI runs the child aborted before its exec
+    # ("epoll_wait error: Bad file descriptor", exit -6), once with no word from the client at all.
+    limited = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)); "
+        "runpy.run_module('minilm_embed.client', run_name='__main__', alter_sys=True)"
+    )
+    command = [sys.executable, "-c", limited]
     done = subprocess.run(
-        [*command, str(path), "--out", str(out)],
+        [*command, "--address", server.address, "embed-file", str(path), "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        preexec_fn=at_most_300_kb,
     )
-    # Exit 2, once in a CI run -6: gRPC's poller aborted at the exit that followed ("epoll_wait error:
-    # Bad file descriptor"), after the job had said what it holds (a client-exit race, noted).
+    # Exit 2; once in a CI run -6 after the job had said what it holds (gRPC's poller at the exit that
+    # followed, a client-exit race seen once, noted).
     assert done.returncode in (2, -signal.SIGABRT) and "File too large" in done.stderr, done.stderr
     held = rows_on_disk(bulk.partial_path(out))
     assert held % 32, "the limit fell between two batches: nothing was cut short"

@@ -421,8 +421,8 @@ def test_a_json_line_too_long_for_the_relay_keeps_its_level_and_both_ends_of_its
 def test_without_a_stderr_the_relay_changes_nothing():
     """A server started with fd 2 closed (`2>&-`) serves with JSON logs as with text ones."""
     code = "from minilm_embed.server import logs; logs.relay_stderr()(); print('relayed nothing')"
-    command = [sys.executable, "-c", code]
-    done = subprocess.run(
-        command, stdout=subprocess.PIPE, text=True, timeout=60, cwd=ROOT, preexec_fn=lambda: os.close(2)
-    )
+    # The shell closes it and execs Python: a preexec_fn would fork this process, gRPC's threads and
+    # at-fork handlers with it (see test_bulk's write-error test).
+    command = ["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-c", code]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=60, cwd=ROOT)
     assert (done.returncode, done.stdout) == (0, "relayed nothing\n")
