@@ -63,7 +63,7 @@ class EmbedJob:
     """One embedding request, in the front's terms: texts or token ids (one of them), and options.
 
     The embedder lets go of the inputs once they are tokenized (`let_go`): parsed, they can cost far
-    more than their bytes on the wire (2M one-byte token ids of a 2 MB gRPC message are ~26 MB of
+    more than their bytes on the wire (2M one-byte token ids of a 2 MB gRPC message are ~27 MB of
     protobuf), and a request then waits seconds for the engine with only its token arrays needed."""
 
     texts: Sequence[str] = ()

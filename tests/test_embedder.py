@@ -100,7 +100,7 @@ class Stop(Exception):
 @pytest.mark.parametrize("inputs", [{"texts": [SENTENCE] * 3}, {"token_ids": [[101, 1037, 2158, 102]] * 3}])
 def test_a_job_lets_go_of_its_inputs_before_it_waits_for_the_engine(tokenizer, inputs):
     """Parsed, a request's inputs can cost far more than their bytes (2M one-byte token ids of a 2 MB
-    gRPC message are ~26 MB of protobuf, of which the ids are views), and the request then waits
+    gRPC message are ~27 MB of protobuf, of which the ids are views), and the request then waits
     seconds for the engine: by then the job holds only its token arrays."""
     e, _ = embedder(tokenizer)
     job = EmbedJob(**inputs)

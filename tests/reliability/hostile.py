@@ -52,7 +52,7 @@ STREAM = [
 ]
 # 256 inputs of token ids in the largest message: rows of one-byte ids (below 128) filling the 2 MiB
 # limit, each cut to 256 (until 2026-11-29 rows of 256 ids, 130 kB a message). Parsed, 2M ids are
-# ~26 MB of protobuf: while the front kept a refused or waiting request's parsed message, 32 callers
+# ~27 MB of protobuf: while the front kept a refused or waiting request's parsed message, 32 callers
 # of these took it past 2 GB.
 IDS_PER_ROW = (ServerConfig().max_message_bytes - 4096) // 256 - 8
 IDS = pb.EmbedRequest(

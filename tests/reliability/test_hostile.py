@@ -1,6 +1,6 @@
 """Valid but hostile input (issue 14): 16 callers sending the largest requests the limits allow,
 of the longest texts, one kind of call after another on one server (Embed for 30 s, Tokenize,
-EmbedStream and 256 inputs of ~8,000 one-byte token ids (the 2 MiB message, ~26 MB parsed) for 5 s
+EmbedStream and 256 inputs of ~8,000 one-byte token ids (the 2 MiB message, ~27 MB parsed) for 5 s
 each), while a probe asks every 100 ms.
 
 What must hold, each flood: every call ends OK or RESOURCE_EXHAUSTED and some are answered, the
