@@ -428,8 +428,14 @@ class Batcher:
     def _ended(self, request: Request) -> None:
         """A request cancelled or failed: its inputs still queued no longer wait. Called where it
         ends (cancel, _fail) rather than from a callback on its future, which cost every request
-        an event-loop turn; one cancelled elsewhere is accounted when the queue's head reaches it."""
+        an event-loop turn; one cancelled elsewhere is accounted when the queue's head reaches it.
+
+        Its wait until now is observed as its queue wait, as an answered request's is: a request
+        dropped at its deadline (or whose caller gave up) waited too, and a queue wait counted only
+        for the requests that beat their deadlines never reached any deadline (an acceptance pass:
+        every call of a load past its deadline, and no wait observed)."""
         if request.queued:
+            self.metrics.queue_wait.observe(time.monotonic() - request.enqueued)
             self._waiting -= request.queued
             self._waiting_bulk -= request.queued if request.bulk else 0
             self._dead += request.queued

@@ -414,6 +414,38 @@ def test_input_whose_deadline_passed_in_the_queue_is_dropped_before_compute():
     assert 2 not in model.first_ids_seen()
     assert sample(batcher, "embed_inputs_dropped_total", reason="deadline") == 1
     assert sample(batcher, "embed_queue_depth") == 0
+    # Its wait is a queue wait too (past its 0.05 s deadline), once: the two answered waited ~0 s.
+    assert sample(batcher, "embed_queue_wait_seconds_count") == 3
+    assert sample(batcher, "embed_queue_wait_seconds_bucket", le="0.05") == 2
+
+
+def test_a_request_given_up_while_queued_is_observed_once_with_its_wait():
+    """The runbook compares the queue wait's p99 with callers' deadlines: observed only for answered
+    requests, it never reached them however long the queue (every call of a load timed out, none
+    was observed). A request that ends with inputs still queued is observed then, and not again."""
+    model = FakeModel(blocked=True)
+    batcher = new_batcher(model)
+
+    async def scenario():
+        batcher.start()
+        try:
+            running = asyncio.create_task(submit(batcher, [[1, 5]]))
+            await wait_until(lambda: model.batches)
+            gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5]]))
+            await wait_until(lambda: batcher.depth == 2)
+            await asyncio.sleep(0.3)
+            gone.cancel()
+            await asyncio.sleep(0)
+            model.gate.set()
+            await running
+            await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert sample(batcher, "embed_queue_wait_seconds_count") == 2
+    assert sample(batcher, "embed_queue_wait_seconds_bucket", le="0.25") == 1  # the answered one
+    assert sample(batcher, "embed_queue_wait_seconds_sum") >= 0.3
 
 
 def test_inputs_of_a_cancelled_caller_are_dropped_before_compute():
