@@ -43,6 +43,11 @@ def setting(name: str) -> str:
 
 
 MIN_LIVENESS_TIMEOUT_S = 3.0
+# gRPC's channel arguments and the API's Limits (uint32) hold whole-number settings in 32 bits, and
+# seconds that gRPC takes in milliseconds as well: past these a server loaded the model and then
+# failed with "value too large to convert to int", naming no setting (an acceptance pass).
+MAX_WHOLE_SETTING = 2**31 - 1
+MILLISECOND_SETTINGS = ("max_connection_age_s", "keepalive_s", "max_queue_delay_ms")
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,22 @@ class ServerConfig:
         self._check_otlp_endpoint()
 
     def _check_bounds(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_WHOLE_SETTING:
+                raise ValueError(
+                    f"{setting(f.name)} must be at most {MAX_WHOLE_SETTING} (gRPC's settings are 32-bit), "
+                    f"not {value}"
+                )
+        for name in MILLISECOND_SETTINGS:
+            # max_queue_delay_ms goes out in microseconds (Info's max_queue_delay_us): the same bound.
+            most = MAX_WHOLE_SETTING // 1000
+            if getattr(self, name) > most:
+                unit = "microseconds" if name == "max_queue_delay_ms" else "milliseconds"
+                raise ValueError(
+                    f"{setting(name)} must be at most {most} ({unit} of it must fit in 32 bits), "
+                    f"not {getattr(self, name):g}"
+                )
         if self.max_request_bytes_in_flight < self.max_message_bytes:
             raise ValueError(
                 f"{setting('max_request_bytes_in_flight')} {self.max_request_bytes_in_flight} must be at "
@@ -470,7 +491,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default = getattr(defaults, f.name)
         read = _reader(f.name, type(default))
         env = env_name(f.name)
-        value = read(environ[env]) if env in environ else default
+        # The variable's text as the default: argparse reads (`type`) a default given as a string only
+        # when the flag is absent, so a flag overrides a variable it could not read, as it overrides
+        # one it could (a bad EMBED_QUEUE_LIMIT stopped a server started with --queue-limit).
+        value = environ.get(env, default)
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=read,  # its ConfigError passes argparse, which would say `invalid read value`

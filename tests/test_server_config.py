@@ -137,6 +137,27 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         ),
         (["--threads", "-2"], {}, "--threads (EMBED_THREADS) must be 0 (auto) or more, not -2"),
         (["--max-padding", "2"], {}, "--max-padding (EMBED_MAX_PADDING) must be between 0 and 1, not 2.0"),
+        # Past 32 bits gRPC or the API's Limits could not hold them: the model loaded, then "value
+        # too large to convert to int" or "Value out of range", naming no setting.
+        (
+            ["--queue-limit", "5000000000"],
+            {},
+            "--queue-limit (EMBED_QUEUE_LIMIT) must be at most 2147483647 (gRPC's settings are 32-bit), "
+            "not 5000000000",
+        ),
+        (
+            [],
+            {"EMBED_MAX_MESSAGE_BYTES": "2147483648"},
+            "(EMBED_MAX_MESSAGE_BYTES) must be at most 2147483647 ",
+        ),
+        (
+            ["--max-connection-age-s", "1e9"],
+            {},
+            "--max-connection-age-s (EMBED_MAX_CONNECTION_AGE_S) must be at most 2147483 (milliseconds of "
+            "it must fit in 32 bits), not 1e+09",
+        ),
+        (["--keepalive-s", "1e7"], {}, "--keepalive-s (EMBED_KEEPALIVE_S) must be at most 2147483"),
+        (["--max-queue-delay-ms", "1e7"], {}, "(microseconds of it must fit in 32 bits), not 1e+07"),
         (
             ["--bulk-queue-share", "0"],
             {},
@@ -253,6 +274,13 @@ def test_a_number_that_cannot_be_read_is_one_message_from_the_flag_or_the_variab
     expected = f"{message} {HELP_POINTER}"
     assert refusal([flag(name), text], {}, capsys) == expected
     assert refusal([], {env_name(name): text}, capsys) == expected
+
+
+def test_a_flag_overrides_a_variable_the_server_could_not_read():
+    """Flags override variables: one that is not a number does not matter under its flag."""
+    config = load_config(["--queue-limit", "10"], {"EMBED_QUEUE_LIMIT": "abc"})
+    assert config.queue_limit == 10
+    assert load_config([], {"EMBED_QUEUE_LIMIT": "12"}).queue_limit == 12
 
 
 def test_a_variable_the_server_cannot_read_is_refused_at_start_as_its_flag_would_be():
