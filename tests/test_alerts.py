@@ -118,20 +118,20 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
         },
         {
             "name": "EmbedHighErrorRatio: a quarter of the calls failed inside the server, refusals aside",
-            "interval": "1m",
+            "interval": "15s",  # the ServiceMonitor's: the alert's 1-minute ratio needs several scrapes
             "input_series": [
-                series("embed_requests_total", {**target, "method": "Embed", "code": "OK"}, "0+30x20"),
-                series("embed_requests_total", {**target, "method": "Embed", "code": "INTERNAL"}, "0+10x20"),
+                series("embed_requests_total", {**target, "method": "Embed", "code": "OK"}, "0+30x80"),
+                series("embed_requests_total", {**target, "method": "Embed", "code": "INTERNAL"}, "0+10x80"),
                 # Back-pressure and a caller's wrong token: not the server failing, not in the ratio.
                 series(
                     "embed_requests_total",
                     {**target, "method": "Embed", "code": "RESOURCE_EXHAUSTED"},
-                    "0+40x20",
+                    "0+40x80",
                 ),
                 series(
                     "embed_requests_total",
                     {**target, "method": "http_embeddings", "code": "UNAUTHENTICATED"},
-                    "0+40x20",
+                    "0+40x80",
                 ),
             ],
             "alert_rule_test": [
@@ -152,7 +152,8 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
                         {**target, "method": "Embed", "size": "1", "le": le},
                         v,
                     )
-                    for le, v in (("1", "0x30"), ("2.5", "0+10x30"), ("+Inf", "0+10x30"))
+                    # 2-2.5 s each, between the buckets of 2 and 2.5 s.
+                    for le, v in (("1", "0x30"), ("2", "0x30"), ("2.5", "0+10x30"), ("+Inf", "0+10x30"))
                 ),
                 *(
                     series(
@@ -160,7 +161,8 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
                         {**target, "method": "Embed", "size": "9-64", "le": le},
                         v,
                     )
-                    for le, v in (("1", "0x30"), ("2.5", "0+10x30"), ("+Inf", "0+10x30"))
+                    # 1-2 s each.
+                    for le, v in (("1", "0x30"), ("2", "0+10x30"), ("2.5", "0+10x30"), ("+Inf", "0+10x30"))
                 ),
             ],
             "alert_rule_test": [
@@ -171,7 +173,7 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
                         expect(
                             "EmbedLatencyP99High",
                             {"severity": "warning", "objective": "1s", **job, "method": "Embed", "size": "1"},
-                            "2.485s",
+                            "2.495s",
                         )
                     ],
                 }
@@ -179,10 +181,10 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
         },
         {
             "name": "EmbedQueueSaturated: one pod's queue refuses calls",
-            "interval": "1m",
+            "interval": "15s",  # the ServiceMonitor's: the alert's 1-minute rate needs several scrapes
             "input_series": [
-                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0+30x20"),
-                series("embed_requests_refused_total", {**target, "reason": "tokenizing"}, "0x20"),
+                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0+7.5x80"),
+                series("embed_requests_refused_total", {**target, "reason": "tokenizing"}, "0x80"),
             ],
             "alert_rule_test": [
                 {
@@ -205,10 +207,10 @@ def operator_tests(target: dict[str, str], gpu: bool) -> list[dict[str, Any]]:
         },
         {
             "name": "EmbedFrontSaturated: one pod's fronts refuse calls at their request-bytes budget",
-            "interval": "1m",
+            "interval": "15s",
             "input_series": [
-                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0x20"),
-                series("embed_requests_refused_total", {**target, "reason": "request_bytes"}, "0+30x20"),
+                series("embed_requests_refused_total", {**target, "reason": "queue"}, "0x80"),
+                series("embed_requests_refused_total", {**target, "reason": "request_bytes"}, "0+7.5x80"),
             ],
             "alert_rule_test": [
                 {
@@ -315,6 +317,20 @@ def test_no_rule_depends_on_the_job_label_value() -> None:
         text = (RULES / name).read_text(encoding="utf-8")
         exprs = [r["expr"] for g in yaml.safe_load(text)["groups"] for r in g["rules"]]
         assert not [e for e in exprs if re.search(r"\bjob\s*(=|!=|=~|!~)", e)], name
+
+
+def test_both_error_ratios_count_the_same_codes() -> None:
+    """EmbedHighErrorRatio requires the 5-minute and the 1-minute ratio: a code in one only would page
+    on the other's errors alone, or never."""
+    groups = yaml.safe_load((RULES / "recording.rules.yml").read_text(encoding="utf-8"))["groups"]
+    exprs = {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+    codes = {
+        window: set(re.findall(r'code=~"([A-Z_|]+)"', exprs[f"job:embed_request_errors:ratio_rate{window}"]))
+        for window in ("5m", "1m")
+    }
+    assert len(codes["5m"]) == 1 and codes["5m"] == codes["1m"], codes
+    expr = next(r["expr"] for r in alert_rules() if r["alert"] == "EmbedHighErrorRatio")
+    assert "ratio_rate5m > 0.05" in expr and "ratio_rate1m > 0.05" in expr, expr
 
 
 def anchors(markdown: str) -> set[str]:
