@@ -41,6 +41,7 @@ import numpy as np
 
 from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.place import s_per_waiting_input
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ BULK_SETTING = "bulk_queue_share"
 # taken for its request to fit, at the engine's recent pace, within these bounds: sooner, a flood of
 # retries would cost the fronts more than it gives; later, a caller would sit out a busy spell long past.
 RETRY_AFTER_BOUNDS_S = (0.1, 30.0)
-# The pace is over about the last this many inputs computed: a batch's weight is its inputs, so a
-# lone slow input (a query alone on an idle engine, a pause) moves it little.
+# The pace (seconds of compute per token) is over about the last this many inputs computed: a batch's
+# weight is its inputs, so a lone slow input (a query alone on an idle engine, a pause) moves it little.
 PACE_INPUTS = 256
 
 
@@ -94,9 +95,10 @@ def check_capacity(
     inputs wait. The share bounds where bulk work may start, not where it ends, so a bulk request as
     large as any other fits an empty queue (a job sizes its requests by max_inputs_per_request, not
     by the share) and interactive requests keep the queue's other share but one request.
-    `s_per_input`: the engine's recent seconds of compute per input, from which a refusal says when
-    to try again: once the inputs that must leave the queue for this request to fit have been taken
-    (not once the whole queue has drained: at a large queue_limit that is far later).
+    `s_per_input`: seconds of compute per waiting input (the engine's recent pace per token times the
+    waiting inputs' mean length), from which a refusal says when to try again: once the inputs that
+    must leave the queue for this request to fit have been taken (not once the whole queue has
+    drained: at a large queue_limit that is far later).
     """
     if bulk_share is not None and waiting >= queue_limit * bulk_share:
         retry_after_s = retry_after(waiting - math.ceil(queue_limit * bulk_share) + 1, s_per_input)
@@ -176,6 +178,7 @@ class Request:
     starts: list[int] = field(init=False)
     remaining: int = field(init=False)
     queued: int = field(init=False)  # of its inputs, those in the queue and counted as waiting
+    queued_tokens: int = field(init=False)  # their tokens
     embeddings: np.ndarray | None = None
     pooled: np.ndarray | None = None
     queue_s: float = 0.0
@@ -185,6 +188,7 @@ class Request:
         self.sizes = self.rows.lengths.tolist()
         self.starts = list(itertools.accumulate(self.sizes[:-1], initial=0))
         self.remaining = self.queued = len(self.sizes)
+        self.queued_tokens = sum(self.sizes)
 
     @property
     def abandoned(self) -> bool:
@@ -317,8 +321,9 @@ class Batcher:
     metrics: Metrics
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
-    on_depth: Callable[[int], None] = lambda depth: None  # told the queue depth whenever it changes
-    on_pace: Callable[[float], None] = lambda s_per_input: None  # told `s_per_input` after each batch
+    # Told the queue depth and its tokens whenever they change, and `s_per_token` after each batch.
+    on_depth: Callable[[int, int], None] = lambda depth, tokens: None
+    on_pace: Callable[[float], None] = lambda s_per_token: None
     # Interactive inputs first, then bulk ones, each oldest first. A list, not a deque: a batch reads
     # and rewrites the window at its head by slicing, and an interactive request is inserted ahead of
     # the bulk inputs (a memmove of at most queue_limit pointers).
@@ -334,13 +339,15 @@ class Batcher:
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
     _waiting: int = 0
     _waiting_bulk: int = 0  # of _waiting, the bulk inputs
+    _waiting_tokens: int = 0  # the tokens of the _waiting inputs
     # Inputs of ended requests still in the queue. Past queue_limit of them the queue is swept (at
     # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
     # cancel while every instance computes, for one).
     _dead: int = 0
-    # Compute seconds and inputs of the batches run, both decayed by exp(-inputs / PACE_INPUTS) a batch.
+    # Compute seconds, inputs and tokens of the batches run, decayed by exp(-inputs / PACE_INPUTS) a batch.
     _paced_s: float = 0.0
     _paced_inputs: float = 0.0
+    _paced_tokens: float = 0.0
 
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
@@ -373,11 +380,17 @@ class Batcher:
         input's latency; inputs run one by one after their batch failed do not count."""
         return self._paced_s / self._paced_inputs / self.workers if self._paced_inputs else 0.0
 
+    @property
+    def s_per_token(self) -> float:
+        """The recent seconds of compute a token takes, weighed and decayed as s_per_input is."""
+        return self._paced_s / self._paced_tokens / self.workers if self._paced_tokens else 0.0
+
     def check_capacity(self, count: int, bulk: bool = False) -> None:
         """Refuse at once when `count` more inputs cannot be queued (counted as a refusal)."""
         share = self.limits.bulk_queue_share if bulk else None
         try:
-            check_capacity(self._waiting, count, self.limits.queue_limit, share, self.s_per_input)
+            pace = s_per_waiting_input(self.s_per_token, self._waiting_tokens, self._waiting)
+            check_capacity(self._waiting, count, self.limits.queue_limit, share, pace)
         except Overloaded as e:
             self.metrics.refusals.labels(refusal_label(e)).inc()
             raise
@@ -403,6 +416,7 @@ class Batcher:
             self._interactive += len(rows)
         self._waiting += len(rows)
         self._waiting_bulk += len(rows) if bulk else 0
+        self._waiting_tokens += request.queued_tokens
         self._depth_changed()
         self._wakeup.set()
         return request
@@ -438,8 +452,9 @@ class Batcher:
             self.metrics.queue_wait.observe(time.monotonic() - request.enqueued)
             self._waiting -= request.queued
             self._waiting_bulk -= request.queued if request.bulk else 0
+            self._waiting_tokens -= request.queued_tokens
             self._dead += request.queued
-            request.queued = 0
+            request.queued = request.queued_tokens = 0
             self._depth_changed()
 
     def _sweep(self) -> None:
@@ -457,7 +472,7 @@ class Batcher:
     def _depth_changed(self) -> None:
         self.metrics.queue_depth.set(self._waiting)
         self.metrics.queue_interactive_depth.set(self._waiting - self._waiting_bulk)
-        self.on_depth(self._waiting)
+        self.on_depth(self._waiting, self._waiting_tokens)
 
     async def _loop(self) -> None:
         """One worker: take the next batch whenever its previous one is done."""
@@ -547,8 +562,10 @@ class Batcher:
         self._interactive -= size - len(rest) if self._interactive else 0
         self._queue[:size] = rest
         batch = [window[i] for i in chosen]
-        for request, _ in batch:  # live requests: an ended one's inputs are not chosen
+        for request, i in batch:  # live requests: an ended one's inputs are not chosen
             request.queued -= 1
+            request.queued_tokens -= request.sizes[i]
+            self._waiting_tokens -= request.sizes[i]
         self._waiting -= len(batch)
         self._waiting_bulk -= len(batch) if batch[0][0].bulk else 0  # a window is all of one kind
         self._depth_changed()
@@ -576,14 +593,15 @@ class Batcher:
             self._running -= 1
         run_s = time.monotonic() - started
         self._observe(batch, ids.size, int(lengths.sum()), started, run_s)
-        self._paced(len(batch), run_s)
+        self._paced(len(batch), int(lengths.sum()), run_s)
         self._resolve(batch_runs, normalised, pooled, started, run_s)
 
-    def _paced(self, inputs: int, run_s: float) -> None:
+    def _paced(self, inputs: int, tokens: int, run_s: float) -> None:
         keep = math.exp(-inputs / PACE_INPUTS)
         self._paced_s = keep * self._paced_s + run_s
         self._paced_inputs = keep * self._paced_inputs + inputs
-        self.on_pace(self.s_per_input)
+        self._paced_tokens = keep * self._paced_tokens + tokens
+        self.on_pace(self.s_per_token)
 
     async def _run_singly(self, batch: list[Entry]) -> None:
         """After a batch failed: each input alone, so only the inputs that fail by themselves fail."""

@@ -134,7 +134,7 @@ class Engine:
     backend: Backend
     metrics: Metrics
     # Published for the fronts (in process, a queue of its own nobody reads).
-    queue: SharedQueue = field(default_factory=lambda: SharedQueue([0.0, 0.0]))
+    queue: SharedQueue = field(default_factory=lambda: SharedQueue.local())
     facts: protocol.EngineFacts | None = None
     _waiting: list[bytes] = field(default_factory=list)  # fronts that said HELLO before the warm-up ended
     _requests: dict[tuple[bytes, int], Request] = field(default_factory=dict)

@@ -21,15 +21,20 @@ from minilm_embed.server.config import listen_address
 @dataclass(frozen=True)
 class SharedQueue:
     """The engine's queue as every front reads it, in shared memory only the engine writes: how many
-    inputs wait, and the recent seconds of compute per input (0.0 until a batch has run), from which
-    a full queue's refusal says when to try again. Read without a lock: each is one aligned 8-byte
-    value, and a front reading one a batch stale only refuses or admits a request a moment early."""
+    inputs wait, their tokens, and the recent seconds of compute per token (0.0 until a batch has
+    run), from which a full queue's refusal says when to try again. Read without a lock: each is one
+    aligned 8-byte value, and a front reading one a batch stale only refuses or admits a request a
+    moment early, or says a retry time off by a batch."""
 
-    values: Any  # 2 floats: the supervisor's multiprocessing RawArray("d", 2), a list in process
+    values: Any  # 3 floats: the supervisor's multiprocessing RawArray("d", 3), a list in process
 
     @classmethod
     def shared(cls, context: Any) -> SharedQueue:
-        return cls(context.RawArray("d", 2))
+        return cls(context.RawArray("d", 3))
+
+    @classmethod
+    def local(cls) -> SharedQueue:
+        return cls([0.0, 0.0, 0.0])
 
     @property
     def depth(self) -> int:
@@ -37,13 +42,22 @@ class SharedQueue:
 
     @property
     def s_per_input(self) -> float:
-        return float(self.values[1])
+        """Seconds of compute per waiting input: the recent pace per token times their mean length."""
+        return s_per_waiting_input(self.values[2], self.values[1], int(self.values[0]))
 
-    def publish_depth(self, depth: int) -> None:
+    def publish_depth(self, depth: int, tokens: int) -> None:
+        self.values[1] = tokens
         self.values[0] = depth
 
-    def publish_pace(self, s_per_input: float) -> None:
-        self.values[1] = s_per_input
+    def publish_pace(self, s_per_token: float) -> None:
+        self.values[2] = s_per_token
+
+
+def s_per_waiting_input(s_per_token: float, tokens: float, inputs: int) -> float:
+    """The compute time of an input of the queue's mean length at `s_per_token` (0.0: none waits, or
+    no pace yet). Per token, not per input: a queue of long inputs after a run of short ones took
+    ~120x the time per input the short ones had set (an acceptance pass: told 0.1 s, room after 12 s)."""
+    return s_per_token * tokens / inputs if inputs > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class EngineClient:
         return await self._ready
 
     def check_capacity(self, count: int, bulk: bool = False) -> None:
-        """Admission before tokenizing, against the engine's published queue depth."""
+        """Admission before tokenizing, against the engine's published queue depth (and its pace per
+        waiting input, for a refusal's retry time)."""
         share = self.bulk_queue_share if bulk else None
         try:
             queue = self.queue

@@ -28,6 +28,7 @@ from minilm_embed.server.batcher import (
 )
 from minilm_embed.server.errors import BackendFailure, Dropped, InvalidInput, Overloaded
 from minilm_embed.server.metrics import Metrics
+from minilm_embed.server.place import SharedQueue
 from tests.server_process import wait_until
 
 
@@ -64,6 +65,23 @@ class FakeModel:
         return [int(i) for ids, _ in self.batches for i in ids[:, 0]]
 
 
+# Each (depth, tokens) a batcher of new_batcher's published in which the tokens cannot be those of the
+# inputs waiting (every input has at least one token); checked empty after every test.
+BAD_TOKEN_COUNTS: list[tuple[int, int]] = []
+
+
+@pytest.fixture(autouse=True)
+def _queued_tokens_match_the_queued_inputs():
+    BAD_TOKEN_COUNTS.clear()
+    yield
+    assert BAD_TOKEN_COUNTS == []
+
+
+def _check_tokens(depth: int, tokens: int) -> None:
+    if not (tokens >= depth >= 0 and (depth == 0) == (tokens == 0)):
+        BAD_TOKEN_COUNTS.append((depth, tokens))
+
+
 def new_batcher(
     model: FakeModel,
     max_batch_tokens: int = 64,
@@ -73,7 +91,7 @@ def new_batcher(
     workers: int = 1,
 ) -> Batcher:
     limits = BatchLimits(max_batch_tokens, max_batch_size, max_queue_delay_s, queue_limit)
-    return Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=workers)
+    return Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=workers, on_depth=_check_tokens)
 
 
 def run(scenario: Callable[[], Awaitable[T]]) -> T:
@@ -350,6 +368,64 @@ def test_a_full_queue_says_to_retry_about_when_the_request_would_fit():
     assert error.metadata["value"] == "8" and error.reason == "QUEUE_FULL"
     # Room came when a batch in compute ended (~0.2 s after the refusal): said to within 2x.
     assert room_after / 2 <= error.retry_after_s <= room_after * 2, (error.retry_after_s, room_after)
+
+
+class TokenPacedModel(FakeModel):
+    """A fake model that takes `token_s` a token (of the batch's real tokens), once its gate is open."""
+
+    def __init__(self, token_s: float) -> None:
+        super().__init__()
+        self.token_s = token_s
+
+    def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        answer = super().run(ids, lengths)
+        time.sleep(self.token_s * int(lengths.sum()))
+        return answer
+
+
+def test_a_full_queue_of_long_inputs_after_short_ones_says_their_time_not_the_short_ones():
+    """The pace is per token and the queue's inputs are counted by their tokens: per input, a queue of
+    long inputs after a run of short ones was told the short ones' time (an acceptance pass: 0.1 s,
+    where room came after 12.25 s and 73 refusals)."""
+    model = TokenPacedModel(token_s=0.004)
+    batcher = new_batcher(model, max_batch_tokens=256, max_batch_size=4, queue_limit=16)
+    long = [[7] + [5] * 48 + [8]]  # 50 tokens, 0.2 s; the short ones 2 tokens, 0.008 s
+
+    async def scenario() -> tuple[float, float, Overloaded]:
+        batcher.start()
+        try:
+            for _ in range(4):
+                await submit(batcher, [[1, 2]] * 4)
+            short_pace, ran = batcher.s_per_input, len(model.batches)
+            model.gate.clear()
+            running = asyncio.create_task(submit(batcher, long * 4))
+            await wait_until(lambda: len(model.batches) > ran and batcher.depth == 0)
+            queued = asyncio.create_task(submit(batcher, long * 16))
+            await wait_until(lambda: batcher.depth == 16)
+            with pytest.raises(Overloaded) as refused:
+                await submit(batcher, long * 4)
+            pace = batcher.s_per_token
+            model.gate.set()
+            await asyncio.gather(running, queued)
+            return short_pace, pace, refused.value
+        finally:
+            model.gate.set()
+            await batcher.stop()
+
+    short_pace, s_per_token, error = run(scenario)
+    assert error.retry_after_s == pytest.approx(4 * 50 * s_per_token)  # 4 inputs of 50 tokens must leave
+    assert 0.8 <= error.retry_after_s < 1.6, error.retry_after_s  # 4 x 0.2 s, and sleeps' overhead
+    assert 4 * short_pace < 0.1, short_pace  # per input, the short ones' pace said the 0.1 s floor
+
+
+def test_the_fronts_read_the_same_pace_per_waiting_input_from_the_engines_shared_figures():
+    queue = SharedQueue.local()
+    assert queue.s_per_input == 0.0  # nothing waits, no pace yet
+    queue.publish_pace(0.004)
+    queue.publish_depth(16, 800)
+    assert queue.depth == 16 and queue.s_per_input == pytest.approx(0.2)  # 50 tokens of 4 ms
+    queue.publish_depth(0, 0)
+    assert queue.s_per_input == 0.0
 
 
 def test_the_pace_weighs_batches_by_their_inputs_so_lone_inputs_move_it_little():

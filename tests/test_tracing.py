@@ -50,7 +50,7 @@ async def _traced(scenario: Scenario, tmp_path: Path) -> None:
     """`scenario` on a started front (traced into memory) over an engine serving the real model, both
     in this event loop."""
     config = ServerConfig(model_dir=model_dir(), threads=1, model_instances=1, max_batch_tokens=256)
-    queue = SharedQueue([0.0, 0.0])
+    queue = SharedQueue.local()
     engine = create_engine(config, onnx_backend, Metrics(), queue)
     address, stop = f"ipc://{tmp_path}/engine.sock", asyncio.Event()
     engine_task = asyncio.create_task(engine.serve(address, stop, lambda facts: None))
