@@ -337,6 +337,7 @@ class Supervisor:
             self.facts = event[1]
         elif kind == "serving":
             self.serving.add(event[1])
+            self.metrics.fronts_serving = len(self.serving)
             self.serving_since[event[1]] = time.monotonic()
             if self.announced:  # a front started again after it died
                 log.info("front %d serving again", event[1])
@@ -458,6 +459,7 @@ class Supervisor:
         )
         multiprocess.mark_process_dead(front.pid)
         self.serving.discard(index)
+        self.metrics.fronts_serving = len(self.serving)
 
     def _last_events(self, whose: str) -> None:
         """Read what a dead child sent before it died, then forget its pipe."""

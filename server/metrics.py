@@ -173,7 +173,8 @@ class Metrics:
         )
         self.ready = Gauge(
             "embed_ready",
-            "1 once warm and serving, 0 while warming or draining (the least over front processes).",
+            "1 once warm and serving, 0 while warming or draining (the least over front processes), "
+            "or while no front process is alive to serve.",
             registry=r,
             multiprocess_mode="livemin",
         )
@@ -202,6 +203,9 @@ class SupervisorMetrics(Collector):
 
     def __init__(self) -> None:
         self.front_restarts = 0
+        # Front processes alive and serving, as the supervisor counts them (set from its own thread,
+        # read by the scrape's: one int).
+        self.fronts_serving = 0
 
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(
@@ -244,6 +248,27 @@ class ProcessTreeCollector(Collector):
             return self.cpu_seconds
 
 
+class FrontsCollector(Collector):
+    """Every process's metric files summed (MultiProcessCollector), with embed_ready 0 while no front
+    serves: the gauge is the least over the live processes that wrote it, and with every front dead
+    (waiting to be started again) only the engine's 1 was left, so it read 1 while nothing answered
+    (an acceptance pass: 1.7 s after a lone front was killed; a front that keeps dying waits up to 30
+    s)."""
+
+    def __init__(self, directory: Path, supervisor: SupervisorMetrics) -> None:
+        self.files = multiprocess.MultiProcessCollector(None, path=str(directory))
+        self.supervisor = supervisor
+
+    def collect(self) -> Iterable[Metric]:
+        families = self.files.collect()
+        if self.supervisor.fronts_serving:
+            return families
+        for family in families:
+            if family.name == "embed_ready":
+                family.samples = [sample._replace(value=0.0) for sample in family.samples]
+        return families
+
+
 def _constant(pid: int) -> Callable[[], int]:
     return lambda: pid
 
@@ -254,7 +279,7 @@ def scrape_registry(
     """What /metrics shows: every process's metric files summed, the supervisor's own metrics, and the
     process tree's resources."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=str(directory))
+    registry.register(FrontsCollector(directory, supervisor))
     registry.register(supervisor)
     registry.register(ProcessTreeCollector(pids))
     prom.PlatformCollector(registry=registry)

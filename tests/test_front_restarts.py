@@ -85,11 +85,16 @@ def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(
         assert grown >= cpu_seconds(new) - 0.05, (grown, cpu_seconds(new))
         assert restarts(server) == 1
         # Dead again within a minute of serving: twice the first delay before it is started again.
-        second, _ = kill_the_front(server)
-        waited = wait_for_a_new_front(server, second)
+        second, killed_at = kill_the_front(server)
+        # No front is alive until it is started again: embed_ready says so (it read the engine's 1).
+        ready = wait_for(lambda: sample(server, "embed_ready") == 0, timeout=0.8, interval=0.02)
+        assert ready, "embed_ready stayed 1 with no front alive"
+        wait_for_a_new_front(server, second)
+        waited = time.monotonic() - killed_at
         assert waited >= 2 * RESTART_FIRST_S - 0.1, f"started again after {waited:.2f}s"
         assert served_again(server, 2), "".join(server.lines[-10:])
         assert restarts(server) == 2
+        assert sample(server, "embed_ready") == 1
         delays = [
             float(m.group(1))
             for line in server.lines
