@@ -41,6 +41,10 @@ _ASCII_WORD = re.compile(r"[a-z0-9]+|[^ a-z0-9]")
 # memory: at most ~6 MB, the words being at most max_input_chars_per_word long).
 SPLIT_WORDS_KEPT = 16_384
 
+# Whitespace BERT's pre-tokenizer splits at, after its normaliser too (not str.isspace(): that also
+# takes \x1c-\x1f and \x85, control characters the normaliser drops, joining their neighbours).
+_WORD_ENDS = " \t\n\r"
+
 
 def _normalize_ascii(text: str) -> str:
     lowered = text.lower()
@@ -56,6 +60,20 @@ def _is_bert_uncased(tokenizer: HFTokenizer) -> bool:
         and normalizer.get("clean_text") is True
         and normalizer.get("lowercase") is True
         and normalizer.get("strip_accents") in (None, True)
+    )
+
+
+def _whitespace_ends_words(tokenizer: HFTokenizer) -> bool:
+    """True when an ASCII space, tab, newline or carriage return always ends a word: BERT's
+    pre-tokenizer after no normaliser or BERT's (which keeps them, or makes them spaces), and no
+    added token holding one."""
+    config = json.loads(tokenizer.to_str())
+    normalizer = config.get("normalizer")
+    added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    return (
+        (normalizer is None or normalizer.get("type") == "BertNormalizer")
+        and (config.get("pre_tokenizer") or {}).get("type") == "BertPreTokenizer"
+        and not any(c in _WORD_ENDS for content in added for c in content)
     )
 
 
@@ -115,7 +133,8 @@ class Tokenized:
     """One row per input text. ``original_lengths[i] > lengths[i]`` exactly when truncated.
 
     ``lower_bound[i]``: the text was tokenized from a prefix only, so ``original_lengths[i]`` counts
-    the prefix's tokens (at least that many; the ids are exact).
+    the tokens of the prefix's words that are whole in it, and the specials (the whole text has at
+    least that many; the ids are exact).
     """
 
     ids: list[list[int]]
@@ -151,6 +170,7 @@ class Tokenizer:
         self._full = HFTokenizer.from_file(str(path))
         self._full.no_padding()
         self._full.no_truncation()
+        self._whitespace_ends_words = _whitespace_ends_words(self._full)  # for counting from a prefix
         # ... and, when the rest of the pipeline is BERT's too, skip the library for them.
         frame = self.frame
         self._words: _AsciiWordPiece | None = None
@@ -191,9 +211,10 @@ class Tokenizer:
             truncated = [count > len(row) for row, count in zip(ids, original, strict=True)]
         lower_bound = [False] * len(ids)
         if long:  # slotted back in place: one batch of prefixes, each tokenized once
-            prefixes = self._full.encode_batch([texts[i][: self._prefix_end(texts[i])] for i in long])
-            for i, prefix in zip(long, prefixes, strict=True):
-                row, count, bound = self._from_prefix(texts[i], prefix)
+            ends = [self._prefix_end(texts[i]) for i in long]
+            prefixes = self._full.encode_batch([texts[i][:end] for i, end in zip(long, ends, strict=True)])
+            for i, end, prefix in zip(long, ends, prefixes, strict=True):
+                row, count, bound = self._from_prefix(texts[i], end, prefix)
                 ids.insert(i, row)
                 original.insert(i, count)
                 lower_bound.insert(i, bound)
@@ -264,21 +285,37 @@ class Tokenizer:
         """ASCII (O(1) per text in CPython) and holding no special token's text."""
         return text.isascii() and (self._raw_specials is None or self._raw_specials.search(text) is None)
 
-    def _from_prefix(self, text: str, prefix: Encoding) -> tuple[list[int], int, bool]:
+    def _last_word_ends(self, text: str, end: int) -> bool:
+        """Whether the last word of text[:end] is whole there: whitespace ends the prefix or follows it."""
+        return self._whitespace_ends_words and any(
+            0 <= i < len(text) and text[i] in _WORD_ENDS for i in (end - 1, end)
+        )
+
+    def _from_prefix(self, text: str, end: int, prefix: Encoding) -> tuple[list[int], int, bool]:
         """(ids as if the whole text were tokenized and truncated, original tokens, lower bound?).
 
-        Splitting into words depends only on the characters themselves (whitespace, punctuation,
-        CJK), so every word that ends inside the prefix tokenizes as in the whole text; only the
-        word the cut runs through may differ. When the words before it give the model's tokens, the
-        prefix's ids are exact. Otherwise (e.g. one 50,000-character "word", a single [UNK]), the
-        whole text is tokenized: exact, and bounded by max_text_chars.
+        `prefix` is text[:end] tokenized. Splitting into words depends only on the characters
+        themselves (whitespace, punctuation, CJK), so every word that ends inside the prefix
+        tokenizes as in the whole text; only the word the cut runs through may differ. When the
+        words before it give the model's tokens, the prefix's ids are exact. Otherwise (e.g. one
+        50,000-character "word", a single [UNK]), the whole text is tokenized: exact, and bounded
+        by max_text_chars.
+
+        From a prefix, the count is the specials' and those words' tokens, a lower bound; the cut
+        word's count only when whitespace shows it whole. Its cut-off start can hold more tokens
+        than the word: a word over 100 characters is one [UNK] in the whole text, its start up to
+        ~100 word pieces ("hello " * 670 + "a" * 101 + " end" was counted 710, of 674 tokens), and
+        "international" is one token, "internation" two.
         """
         words = prefix.word_ids
         cut_word = next((w for w in reversed(words) if w is not None), None)
         whole = [token for token, w in zip(prefix.ids, words, strict=True) if w is not None and w != cut_word]
         keep = self.max_length - 2  # [CLS] ... [SEP]
         if len(whole) >= keep:
-            return [prefix.ids[0], *whole[:keep], prefix.ids[-1]], len(prefix.ids), True
+            count = len(prefix.ids)  # the specials, the words before the last, the last word
+            if not self._last_word_ends(text, end):
+                count -= sum(1 for w in words if w == cut_word)
+            return [prefix.ids[0], *whole[:keep], prefix.ids[-1]], count, True
         full = self._whole(text).ids
         if len(full) <= self.max_length:  # a long text of few tokens (a URL, a blob, spaces): not cut
             return list(full), len(full), False

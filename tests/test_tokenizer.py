@@ -170,6 +170,61 @@ def test_long_and_short_texts_mixed_keep_their_order(tokenizer):
     assert together.truncated == [a.truncated[0] for a in alone]
 
 
+def test_a_long_word_cut_by_the_prefix_is_not_counted_as_its_pieces(tokenizer):
+    """The 101-character word is one [UNK] in the whole text (674 tokens); its first 95 characters,
+    in the prefix, split into 38 word pieces, and the count was 710 "at least"."""
+    text = "hello " * 670 + "a" * 101 + " end"
+    whole = tokenizer.encode_full(text)
+    assert len(text) == 4_125 and len(whole) == 674
+    got = tokenizer.encode([text])
+    assert got.ids[0] == [*whole[:255], whole[-1]]
+    assert got.lower_bound == [True]
+    assert got.original_lengths == [672]  # [CLS], 670 "hello", [SEP]: the cut word is not counted
+
+
+def test_a_word_that_whitespace_shows_whole_at_the_cut_is_counted(tokenizer):
+    """The count from a prefix loses no more than the word the cut runs through."""
+    ends_the_prefix = "hello " * 682 + "word" + " more" * 50  # "word" ends at PREFIX_CHARS, a space next
+    after_a_space = "hello " * 682 + "big " + "x" * 200  # the space is the prefix's last character
+    inside = "hello " * 682 + "wordy more" * 50  # the cut runs through "wordy": not counted
+    got = tokenizer.encode([ends_the_prefix, after_a_space, inside])
+    assert got.lower_bound == [True, True, True]
+    assert got.original_lengths == [2 + 683, 2 + 683, 2 + 682]
+    for text, count in zip([ends_the_prefix, after_a_space, inside], got.original_lengths, strict=True):
+        assert count <= len(tokenizer.encode_full(text))
+
+
+def texts_cut_near_long_words(count: int, seed: int = 0) -> list[str]:
+    """Words up to 300 characters long (over 100: one [UNK] whole) placed so that the prefix's cut
+    falls inside them, at their ends, or next to whitespace, control characters (which the normaliser
+    drops, joining their neighbours), accents and punctuation."""
+    rng = random.Random(seed)
+    common = ["hello", "the", "international", "unaffable", "x7q", "embeddings", ",", "é", "日本"]
+    joins = [" ", "", "\t", "\n", "\r", "\x00", "\x1c", "\x85", "\u0301", ".", "\u00a0"]
+    texts = []
+    for _ in range(count):
+        letters = rng.choice(["a", "ab", "xyzq", "international", "é", "9", "e\u0301"])
+        word = (letters * 300)[: rng.randint(1, 300)]
+        start = PREFIX_CHARS - rng.randint(-2, len(word) + 2)
+        head = ""
+        while len(head) < start:
+            head += rng.choice(common) + rng.choice([" ", " ", " ", *joins])
+        tail = rng.choice(["", " end", rng.choice(joins) + " more words" * rng.randint(1, 40), "b" * 150])
+        texts.append(head[:start] + rng.choice(joins) + word + rng.choice(joins) + tail)
+    return texts
+
+
+def test_the_count_from_a_prefix_is_never_above_the_whole_texts(tokenizer, library):
+    texts = [t for t in texts_cut_near_long_words(400) if len(t) > PREFIX_CHARS]
+    assert len(texts) > 300
+    got = tokenizer.encode(texts)
+    assert got.ids == [e.ids for e in library.encode_batch(texts)]
+    assert sum(got.lower_bound) > 200  # most were counted from their prefix
+    for text, count, bound in zip(texts, got.original_lengths, got.lower_bound, strict=True):
+        whole = len(tokenizer.encode_full(text))
+        assert count <= whole if bound else count == whole, repr(text[PREFIX_CHARS - 20 : PREFIX_CHARS + 20])
+
+
 # ASCII texts skip the library's normaliser: held to what that normaliser gives -------------------------
 
 
