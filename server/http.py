@@ -247,10 +247,11 @@ class HttpApi:
                 more = functools.partial(self.embedder.received_more, held)
                 body = await read_body(request, self.max_body, self.body_timeout_s, more)
                 most = self.embedder.tokenizer.limits.max_inputs_per_request
+                vocab = self.embedder.tokenizer.vocab_size
                 if len(body) <= INLINE_BODY_BYTES:
-                    parsed = parse_embeddings(body, self.card, most)
+                    parsed = parse_embeddings(body, self.card, most, vocab)
                 else:  # 2 MB of JSON took 20-40 ms to parse and check (one list of ids): not on the loop
-                    parsed = await self.embedder.off_loop(parse_embeddings, body, self.card, most)
+                    parsed = await self.embedder.off_loop(parse_embeddings, body, self.card, most, vocab)
                 job = dataclasses.replace(parsed.job, request_id=logs.current_request_id.get())
                 as_base64 = parsed.base64
                 del parsed  # only the job holds the inputs, and lets go of them once tokenized
@@ -449,8 +450,9 @@ def check_encoding(encoding: str) -> None:
         )
 
 
-def parse_embeddings(body: bytes, card: ModelCard, most: int) -> EmbeddingsRequest:
-    """The request, or InvalidInput; past `most` inputs refused before any input is looked at."""
+def parse_embeddings(body: bytes, card: ModelCard, most: int, vocab_size: int) -> EmbeddingsRequest:
+    """The request, or InvalidInput; past `most` inputs refused before any input is looked at
+    (`vocab_size`: the range a token id past int64 is named outside of)."""
     try:
         fields = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -470,7 +472,7 @@ def parse_embeddings(body: bytes, card: ModelCard, most: int) -> EmbeddingsReque
     check_dimensions(fields.get("dimensions"), card)
     truncate = parse_truncate(fields.get("truncate"))
     bulk = parse_priority(fields.get("priority"))
-    texts, token_ids = parse_input(fields["input"], most)
+    texts, token_ids = parse_input(fields["input"], most, vocab_size)
     job = EmbedJob(texts, token_ids, truncate=truncate, bulk=bulk)
     return EmbeddingsRequest(job, parse_format(fields.get("encoding_format")))
 
@@ -484,9 +486,11 @@ def _json_error(body: bytes, error: orjson.JSONDecodeError) -> str:
     return str(error)
 
 
-def parse_input(value: object, most: int) -> tuple[list[str], list[TokenRow]]:
+def parse_input(value: object, most: int, vocab_size: int | None = None) -> tuple[list[str], list[TokenRow]]:
     """(texts, token ids), one of them empty: OpenAI's four shapes of `input`. More than `most`
-    inputs are refused first: 400k one-id rows took 0.5 s of the event loop each to check."""
+    inputs are refused first: 400k one-id rows took 0.5 s of the event loop each to check. A token id
+    past int64 is refused here, named outside [0, `vocab_size`) when that is given; the others are
+    held to the vocabulary when tokenized."""
     if isinstance(value, str):
         return [value], []
     if not isinstance(value, list):
@@ -509,9 +513,9 @@ def parse_input(value: object, most: int) -> tuple[list[str], list[TokenRow]]:
     if kinds == {str}:
         return value, []
     if kinds <= NUMBERS or type(value[0]) in NUMBERS:  # one sequence of token ids (which names an odd item)
-        return [], [_token_ids(value, 0, kinds)]
+        return [], [_token_ids(value, 0, vocab_size, kinds)]
     if kinds == {list}:
-        return [], [_token_ids(row, i) for i, row in enumerate(value)]
+        return [], [_token_ids(row, i, vocab_size) for i, row in enumerate(value)]
     raise InvalidField("input", f"{_mixed(value)}; {SHAPES}")
 
 
@@ -536,7 +540,7 @@ def _shape(item: object) -> object:
     return type(item)
 
 
-def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenRow:
+def _token_ids(row: list[Any], i: int, vocab_size: int | None, kinds: set[type] | None = None) -> TokenRow:
     """The row as an int64 array, if every item is an integer a token id could be; else which item is
     not, and what. Checked in C (the items' kinds, then the conversion, which the tokenizer's check of
     the vocabulary reuses), item by item only to say which."""
@@ -544,16 +548,20 @@ def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenR
         with contextlib.suppress(OverflowError):  # past int64: named below
             return np.fromiter(row, dtype=np.int64, count=len(row))
     for j, t in enumerate(row):
-        # orjson reads an integer past 64 bits as a float (2**64 arrives as 1.8446744073709552e+19):
-        # whether it was written as one or not, no such number is in the vocabulary.
+        # orjson reads an integer outside [-2**63, 2**64) as a float (2**64 arrives as
+        # 1.8446744073709552e+19, -2**63 - 1 as -9.223372036854776e+18, which is -2**63): whether it
+        # was written as one or not, no such number is in the vocabulary.
         if (type(t) is int and not -_INT64 <= t < _INT64) or (type(t) is float and _past_int64(t)):
+            in_range = {} if vocab_size is None else {"vocabularySize": vocab_size}
             raise InvalidField(
                 "input",
-                f"input {i}: token id {shown(t)} at position {j} is outside the vocabulary",
+                f"input {i}: token id {shown(t)} at position {j} is outside the vocabulary"
+                + ("" if vocab_size is None else f" [0, {vocab_size})"),
                 "TOKEN_ID_OUT_OF_RANGE",
                 input=i,
                 position=j,
                 value=t,
+                **in_range,
             )
         if type(t) is not int:
             raise InvalidField(
@@ -567,7 +575,10 @@ def _token_ids(row: list[Any], i: int, kinds: set[type] | None = None) -> TokenR
 
 
 def _past_int64(number: float) -> bool:
-    return number.is_integer() and not -_INT64 <= number < _INT64
+    """An integral float at least 2**63 in size: what orjson gives for an integer past int64 (it gives
+    -2**63 written as an integer as an int: a float -2**63 is a smaller integer, rounded, or was written
+    as a float). Smaller ones (1.0) were written as floats."""
+    return number.is_integer() and not -_INT64 < number < _INT64
 
 
 def check_dimensions(value: object, card: ModelCard) -> None:

@@ -286,21 +286,29 @@ def test_a_body_that_cannot_be_read_as_sent_is_refused_saying_why(server, body, 
             {"input": [[101, 2**63]]},
             "input",
             "token_id_out_of_range",
-            ["token id 9223372036854775808 at position 1", "vocabulary"],
+            ["token id 9223372036854775808 at position 1", "vocabulary [0, 30522)"],
         ),
         # Past 64 bits JSON's parser gives a float: still a number outside the vocabulary, not "not an
-        # integer" (the caller sent an integer).
+        # integer" (the caller sent an integer), and the range is named (it was not).
         (
             {"input": [[101, 2**64]]},
             "input",
             "token_id_out_of_range",
-            ["token id 1.8446744073709552e+19 at position 1 is outside the vocabulary"],
+            ["token id 1.8446744073709552e+19 at position 1 is outside the vocabulary [0, 30522)"],
         ),
         (
             {"input": [101, -(10**30)]},
             "input",
             "token_id_out_of_range",
-            ["token id -1e+30 at position 1 is outside the vocabulary"],
+            ["token id -1e+30 at position 1 is outside the vocabulary [0, 30522)"],
+        ),
+        # One below int64 arrives as the float -2**63, which int64 holds: it was "is a number
+        # -9.223372036854776e+18, not an integer".
+        (
+            {"input": [101, -(2**63) - 1, 102]},
+            "input",
+            "token_id_out_of_range",
+            ["token id -9.223372036854776e+18 at position 1 is outside the vocabulary [0, 30522)"],
         ),
         ({"input": [[101, 999_999, 102]]}, "input", "token_id_out_of_range", ["999999", "[0, 30522)"]),
         # Bodies past 64 KiB and past 16,384 ids are parsed and checked off the event loop: the same
@@ -836,3 +844,43 @@ def test_too_many_inputs_are_refused_before_any_input_is_examined():
         parse_input(rows, most=5)
     texts, (ids,) = parse_input([101] * 10, most=4)  # one sequence of ids: one input
     assert texts == [] and ids.tolist() == [101] * 10
+
+
+@pytest.mark.parametrize(
+    ("sent", "shown"),
+    [
+        ("-9223372036854775809", "-9.223372036854776e+18"),  # orjson: the float -2**63, which int64 holds
+        ("-100000000000000000000000000000", "-1e+29"),
+        ("9223372036854775808", "9223372036854775808"),  # an int still, past int64
+        ("18446744073709551615", "18446744073709551615"),
+        ("18446744073709551616", "1.8446744073709552e+19"),  # a float from here
+        ("100000000000000000000000000000", "1e+29"),
+        ("9.3e18", "9.3e+18"),  # written as a float, but a whole number past int64 all the same
+    ],
+)
+@pytest.mark.parametrize("nested", [False, True])
+def test_token_ids_past_int64_are_out_of_range_naming_the_value_and_the_range(sent, shown, nested):
+    """However orjson delivers an integer past int64 (an int, or a float from past 64 bits), it is
+    outside the vocabulary, named with the range as any other id outside it."""
+    row = f"[101, {sent}, 102]"
+    with pytest.raises(InvalidInput) as e:
+        parse_input(orjson.loads(f"[{row}]" if nested else row), most=4, vocab_size=30522)
+    assert e.value.reason == "TOKEN_ID_OUT_OF_RANGE"
+    assert str(e.value) == f"input 0: token id {shown} at position 1 is outside the vocabulary [0, 30522)"
+    assert e.value.metadata["vocabularySize"] == "30522"
+
+
+@pytest.mark.parametrize("sent", ["1.0", "1.5", "-9.5", "9223372036854774784.0", "-1e18"])
+def test_a_float_inside_int64_is_not_an_integer_even_when_whole(sent):
+    """A whole float inside int64 can only have been written as a float: "not an integer", as before."""
+    with pytest.raises(InvalidInput) as e:
+        parse_input(orjson.loads(f"[101, {sent}, 102]"), most=4, vocab_size=30522)
+    assert e.value.reason == "TOKEN_ID_NOT_AN_INTEGER", str(e.value)
+    assert "not an integer" in str(e.value)
+
+
+def test_the_ends_of_int64_are_ids_for_the_vocabulary_check():
+    """-2**63 and 2**63 - 1 fit int64: parsed as ids, refused later by the vocabulary check, with
+    the range."""
+    texts, (ids,) = parse_input(orjson.loads("[101, -9223372036854775808, 9223372036854775807]"), most=4)
+    assert texts == [] and ids.tolist() == [101, -(2**63), 2**63 - 1]
