@@ -206,6 +206,9 @@ def checked_timeout(timeout: float | None) -> float | None:
 
 
 CLOSED = "the client is closed"
+# What gRPC's blocking channel says of a call its close() cut off (CANCELLED): grpc.aio's only
+# cancels the call, and the await raises a bare asyncio.CancelledError.
+CHANNEL_CLOSED = "Channel closed!"
 
 
 def open_channel(address: str, security: Security, api: Any) -> Any:
@@ -345,6 +348,15 @@ class AsyncEmbeddingClient:
             return await method(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.closed or (task is not None and task.cancelling()):
+                raise  # the awaiting task was cancelled (or something else cut the call): it ends so
+            # close() cut the call off: CANCELLED, as EmbeddingClient raises it
+            closed = grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), CHANNEL_CLOSED
+            )
+            raise from_rpc_error(closed) from None
 
     async def embed_response(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         """The whole Embed response (vectors, per-input usage, timing) for a request you built."""
@@ -383,7 +395,8 @@ class AsyncEmbeddingClient:
         return await self._call("Info", pb.InfoRequest())
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled. Closing twice is harmless."""
+        """Close the channel; calls in flight are cancelled (each raises EmbeddingError, CANCELLED,
+        as EmbeddingClient's do). Closing twice is harmless."""
         self.closed = True
         if self._channel is not None:
             await self._channel.close()

@@ -4,6 +4,10 @@ clients, against a real server; each is still a grpc.RpcError with the server's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -163,6 +167,74 @@ def test_a_closed_client_raises_value_error_not_grpcs_own(server):
 
     with pytest.raises(ValueError, match="the client is closed"):
         asyncio.run(closed_async())
+
+
+@contextlib.contextmanager
+def silent_address() -> Iterator[str]:
+    """An address that takes connections and never answers: a call to it stays in flight until its
+    client closes (no server's speed to race)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_call_cut_off_by_close_raises_cancelled_from_both_clients():
+    """The blocking client raised EmbeddingError (CANCELLED, "Channel closed!"); the asyncio one a bare
+    asyncio.CancelledError, which its callers' `except EmbeddingError` missed."""
+    with silent_address() as address:
+        sync = EmbeddingClient(address, timeout=30)
+        raised: list[BaseException] = []
+        started = threading.Event()
+
+        def call() -> None:
+            started.set()
+            try:
+                sync.embed(["cut off by close"])
+            except BaseException as e:  # whatever it is: compared below
+                raised.append(e)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        started.wait(10)
+        time.sleep(0.5)
+        sync.close()
+        thread.join(10)
+
+        async def cut_off() -> None:
+            client = AsyncEmbeddingClient(address, timeout=30)
+            in_flight = asyncio.create_task(client.embed(["cut off by close"]))
+            await asyncio.sleep(0.5)
+            await client.close()
+            await in_flight
+
+        with pytest.raises(EmbeddingError) as e:
+            asyncio.run(cut_off())
+    (sync_error,) = raised
+    assert isinstance(sync_error, EmbeddingError)
+    assert type(e.value) is type(sync_error) is EmbeddingError
+    assert (e.value.code(), e.value.details()) == (sync_error.code(), sync_error.details())
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.CANCELLED, "Channel closed!")
+
+
+@pytest.mark.parametrize("and_closed", [False, True])
+def test_an_async_call_whose_task_is_cancelled_still_raises_cancelled_error(and_closed):
+    """The task's own cancellation is not the channel's closing, even when the client closes too."""
+
+    async def cancelled(address: str) -> None:
+        client = AsyncEmbeddingClient(address, timeout=30)
+        in_flight = asyncio.create_task(client.embed(["cancelled"]))
+        await asyncio.sleep(0.5)
+        in_flight.cancel()
+        if and_closed:
+            await client.close()
+        try:
+            await in_flight
+        finally:
+            await client.close()
+
+    with silent_address() as address, pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled(address))
 
 
 def test_an_async_client_made_outside_a_loop_serves_the_loop_of_its_first_call(server):
