@@ -458,6 +458,8 @@ class Supervisor:
             delay,
         )
         multiprocess.mark_process_dead(front.pid)
+        if front.pid is not None:
+            self.metrics.fold_dead(front.pid)
         self.serving.discard(index)
         self.metrics.fronts_serving = len(self.serving)
 

@@ -46,6 +46,13 @@ def kill_the_front(server: ServerProcess) -> tuple[int, float]:
     return pid, time.monotonic()
 
 
+def metrics_directory(pid: int) -> Path:
+    """The server's multiprocess metrics directory, from a running child's environment."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (line,) = [v for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR=")]
+    return Path(line.partition(b"=")[2].decode())
+
+
 def wait_for_a_new_front(server: ServerProcess, dead: int) -> float:
     """Seconds until a front other than `dead` runs (polled every 20 ms)."""
     started = time.monotonic()
@@ -70,6 +77,12 @@ def test_the_restart_delay_doubles_to_its_cap_and_starts_over_after_a_front_serv
 def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(model_dir: Path) -> None:
     with serving("--front-processes", "1") as server:
         assert restarts(server) == 0
+        with EmbeddingClient(server.address, timeout=60) as client:
+            client.embed([SENTENCE])
+        calls = sample(server, "embed_requests_total", method="Embed", code="OK")
+        latency = sample(server, "embed_request_duration_seconds_count", method="Embed")
+        assert calls == latency == 1
+        files = metrics_directory(server.front_pids()[0])
         cpu = sample(server, "process_cpu_seconds_total")
         first, _ = kill_the_front(server)
         # Until its successor runs (RESTART_FIRST_S), the dead front's CPU time still counts: a
@@ -84,6 +97,12 @@ def test_a_killed_front_comes_back_counted_and_one_that_dies_again_waits_longer(
         grown = sample(server, "process_cpu_seconds_total") - cpu
         assert grown >= cpu_seconds(new) - 0.05, (grown, cpu_seconds(new))
         assert restarts(server) == 1
+        # The dead front's counts are kept (added into the dead processes' files) and its own files go:
+        # each restart left ~90 kB in the pod's /tmp for good.
+        assert sorted(p.name for p in files.glob(f"*_{first}.db")) == []
+        assert (files / "counter_dead.db").exists() and (files / "histogram_dead.db").exists()
+        assert sample(server, "embed_requests_total", method="Embed", code="OK") == calls
+        assert sample(server, "embed_request_duration_seconds_count", method="Embed") == latency
         # Dead again within a minute of serving: twice the first delay before it is started again.
         second, killed_at = kill_the_front(server)
         # No front is alive until it is started again: embed_ready says so (it read the engine's 1).
