@@ -528,7 +528,28 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Serve
         # An empty variable is most often a secret that did not arrive: serving open would hide it.
         if environ.get(env_name(name)) == "" and not (config.auth_token or config.auth_token_file):
             raise ConfigError(f"{env_name(name)} is set but empty: unset it to serve without authentication")
+    for name in _auth_flags_given_empty(argv):
+        # The same for a flag: `--auth-token "$TOKEN"` with TOKEN unset served without authentication,
+        # over a token in EMBED_AUTH_TOKEN too, and said nothing (an acceptance pass).
+        if not (config.auth_token or config.auth_token_file):
+            raise ConfigError(
+                f"--{name.replace('_', '-')} is empty: leave it out to serve without authentication"
+            )
     return config
+
+
+def _auth_flags_given_empty(argv: Sequence[str] | None) -> list[str]:
+    """The authentication settings given as flags with an empty value (argparse's own parse gives their
+    defaults too, so it cannot tell)."""
+    parser = _Parser(add_help=False)
+    names = ("auth_token", "auth_token_file")
+    for name in names:
+        parser.add_argument("--" + name.replace("_", "-"), default=None)
+    try:
+        given = vars(parser.parse_known_args(argv)[0])
+    except ConfigError:  # a flag without its value: refused already by the full parse
+        return []
+    return [name for name in names if given[name] == ""]
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:

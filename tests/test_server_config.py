@@ -837,6 +837,28 @@ def test_a_token_variable_set_but_empty_is_refused(name, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "env"),
+    [
+        ("--auth-token", {}),
+        ("--auth-token-file", {}),
+        ("--auth-token", {"EMBED_AUTH_TOKEN": SECRET}),  # the flag overrides the variable's token
+        ("--auth-token-file", {"EMBED_AUTH_TOKEN_FILE": "/run/secrets/token"}),
+    ],
+)
+def test_a_token_flag_given_empty_is_refused(flag, env, capsys):
+    """`--auth-token "$TOKEN"` with TOKEN unset served without authentication, over a token in the
+    variable too (flags override), and said nothing."""
+    for argv in ([flag, ""], [f"{flag}="]):
+        assert refusal(argv, env, capsys) == f"{flag} is empty: leave it out to serve without authentication"
+
+
+def test_an_empty_token_flag_beside_a_token_file_is_no_harm(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(SECRET)
+    assert load_config(["--auth-token", "", "--auth-token-file", str(path)], {}).auth_token_file
+
+
 def test_an_empty_token_variable_beside_a_token_file_is_no_harm(tmp_path):
     path = tmp_path / "token"
     path.write_text(SECRET)
