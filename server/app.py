@@ -48,12 +48,13 @@ from minilm_embed.server.config import (
     ConfigError,
     ListenAddress,
     ServerConfig,
+    env_name,
     setting,
     unknown_variables,
 )
 from minilm_embed.server.metrics import SupervisorMetrics
 from minilm_embed.server.place import DUMP_SIGNAL, HEARTBEAT_S, Place, SharedQueue, reuseport_socket
-from minilm_embed.server.security import load_token, server_credentials
+from minilm_embed.server.security import Secrets, read_secrets
 
 if TYPE_CHECKING:
     from minilm_embed.server.engine import BackendFactory
@@ -130,11 +131,11 @@ def engine_process(
     run_engine(config, address, queue, beat, events, stop_when, backend_factory or onnx_backend)
 
 
-def front_process(config: ServerConfig, place: Place) -> None:
+def front_process(config: ServerConfig, place: Place, secrets: Secrets) -> None:
     """A front process's target: its modules (gRPC's server, HTTP, the tokenizer) are imported there only."""
     from minilm_embed.server.front import run_front
 
-    run_front(config, place)
+    run_front(config, place, secrets)
 
 
 def restart_delay(previous: float, served_s: float) -> float:
@@ -252,6 +253,7 @@ class Supervisor:
     address: str
     fronts_wanted: int
     http_address: str = ""
+    secrets: Secrets = field(default_factory=Secrets)  # read once at start: every front, restarted too
     context: Any = field(default_factory=lambda: multiprocessing.get_context("spawn"))
     engine: BaseProcess | None = None
     fronts: dict[int, BaseProcess] = field(default_factory=dict)
@@ -317,7 +319,8 @@ class Supervisor:
             send,
             beat,
         )
-        front = self.context.Process(target=front_process, args=(self.config, place), name=f"front-{index}")
+        args = (self.config, place, self.secrets)
+        front = self.context.Process(target=front_process, args=args, name=f"front-{index}")
         with logs.child_stderr(front.name):
             front.start()
         self.fronts[index] = front
@@ -595,10 +598,20 @@ def _join(process: BaseProcess, deadline: float) -> int:
     return process.exitcode or 0
 
 
-def check_security(config: ServerConfig) -> None:
-    """Refuse unusable TLS or token settings before starting anything (SecurityConfigError)."""
-    load_token(config.auth_token, config.auth_token_file)
-    server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+def check_security(config: ServerConfig) -> Secrets:
+    """The token and TLS files, read once: unusable settings are refused before anything starts
+    (SecurityConfigError)."""
+    return read_secrets(config)
+
+
+def children_config(config: ServerConfig) -> ServerConfig:
+    """The settings every child gets: no token, no token file, no TLS files. The fronts take the token
+    and the TLS bytes from the `Secrets` the supervisor read at start (the HTTP API's TLS from
+    in-memory copies of them: Secrets.tls_files), so a front started again after the files changed
+    serves with what the first fronts served with; the engine needs none of them."""
+    return dataclasses.replace(
+        config, auth_token="", auth_token_file="", tls_cert="", tls_key="", tls_client_ca=""
+    )
 
 
 def warn_of_unknown_variables(environ: Mapping[str, str]) -> None:
@@ -620,7 +633,7 @@ def serve(
     """Run the server until SIGTERM/SIGINT (exit 0 after draining) or the engine's end (exit 1).
     `environ`, the environment load_config read: its EMBED_* variables that are no setting are named
     in one warning, once logging is set up."""
-    check_security(config)
+    secrets = check_security(config)
     check_cores(config, usable_cores())
     # The manifest's one line before any port is bound or announced (the graphs' checksums are the
     # engine's to verify, as it loads them): a wrong --model-dir must not look like a server starting.
@@ -635,7 +648,10 @@ def serve(
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         address, http_address = addresses
         fronts = plan_fronts(config, usable_cores())
-        supervisor = Supervisor(config, backend_factory, run_dir, address, fronts, http_address)
+        children = children_config(config)
+        supervisor = Supervisor(
+            children, backend_factory, run_dir, address, fronts, http_address, secrets=secrets
+        )
         return _supervise(supervisor, metrics_dir)
 
 
@@ -707,6 +723,8 @@ def _supervise(supervisor: Supervisor, metrics_dir: Path) -> int:
         except OSError as e:
             raise cannot_listen("metrics_address", where, e) from None
         log.info("metrics on %s/metrics", dataclasses.replace(where, port=port))
+    # No child needs the token in its environment: the fronts get it as `Secrets`, the engine never.
+    os.environ.pop(env_name("auth_token"), None)
     try:
         os.environ.update(ENGINE_MALLOC)
         supervisor.start_engine()

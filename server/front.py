@@ -46,13 +46,13 @@ from minilm_embed.server.budget import Budget, held_bytes_budget, request_bytes_
 from minilm_embed.server.config import ServerConfig
 from minilm_embed.server.embedder import Embedder
 from minilm_embed.server.errors import cut_at_drain
-from minilm_embed.server.health import SERVICE_NAME, new_health
+from minilm_embed.server.health import SERVICE_NAME, StreamLimit, new_health
 from minilm_embed.server.http import HttpApi, HttpListener, ModelCard, http_listener
 from minilm_embed.server.metrics import Metrics
 from minilm_embed.server.place import Place, SharedQueue, dump_stacks_on_signal, heartbeat, reuseport_socket
 from minilm_embed.server.proctitle import name_process
 from minilm_embed.server.readiness import Readiness
-from minilm_embed.server.security import BearerAuth, load_token, server_credentials
+from minilm_embed.server.security import BearerAuth, Secrets, read_secrets
 from minilm_embed.server.service import EmbeddingService, register
 from minilm_embed.server.tokenization import InputLimits, RequestTokenizer
 from minilm_embed.server.transport import EngineClient
@@ -85,8 +85,12 @@ class Front:
     http: HttpListener | None = None
 
 
-# Calls beyond max_concurrent_calls that gRPC itself admits: health checks and reflection.
+# Calls beyond the service's own places (max_concurrent_calls + max_waiting_calls) that gRPC itself
+# admits: health and reflection. At most LONG_LIVED_CALLS of them are the streams a client holds open
+# (health Watch, reflection's ServerReflectionInfo; health.StreamLimit refuses the rest), so a flood of
+# those leaves the others for health Check.
 OTHER_CALLS = 64
+LONG_LIVED_CALLS = OTHER_CALLS // 2
 # Half the 10 s floor of grpc-go's and grpc-java's client keepalive: a ping a little early (timer
 # jitter) is not a strike, and strikes add up over an idle connection's life.
 MIN_CLIENT_PING_MS = 5000
@@ -182,9 +186,10 @@ def model_card(config: ServerConfig, manifest: Manifest) -> ModelCard:
     return ModelCard(manifest.model_id, created, manifest.config.hidden_size)
 
 
-def create_http(config: ServerConfig, address: str, embedder: Embedder, manifest: Manifest) -> HttpListener:
+def create_http(
+    config: ServerConfig, address: str, embedder: Embedder, manifest: Manifest, token: str | None
+) -> HttpListener:
     """The HTTP API over the same Embedder as gRPC, on `address` (not yet started)."""
-    token = load_token(config.auth_token, config.auth_token_file)
     api = HttpApi(
         embedder,
         embedder.metrics,
@@ -205,9 +210,14 @@ def create_front(
     queue: SharedQueue,
     http_address: str = "",
     tracer: RequestTracer | None = None,
+    secrets: Secrets | None = None,
 ) -> Front:
     """Build one front's gRPC server bound to `address` and, given `http_address`, its HTTP API (not yet
-    started; port 0 picks a free port); with a tracer, every gRPC call is traced (server/tracing.py)."""
+    started; port 0 picks a free port); with a tracer, every gRPC call is traced (server/tracing.py).
+    `secrets`: the token and TLS files as the supervisor read them at start; None (a front built in
+    process) reads them from the settings here."""
+    if secrets is None:
+        secrets = read_secrets(config)
     metrics = Metrics()
     manifest = read_manifest(config.model_dir)
     max_tokens = manifest.config.max_seq_length
@@ -243,11 +253,13 @@ def create_front(
         config.max_waiting_calls,
         config.message_timeout_s,
     )
-    token = load_token(config.auth_token, config.auth_token_file)
+    token = secrets.token
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
+    interceptors.append(StreamLimit(LONG_LIVED_CALLS))
     interceptors += [BearerAuth(token, metrics)] if token else []
     # gRPC's own cap on calls, over every service: the backstop for those the service's places do
-    # not count (health checks, reflection), each of which gRPC reads whole as well.
+    # not count (health, reflection), each of which gRPC reads whole as well. The service refuses past
+    # its own places, StreamLimit past LONG_LIVED_CALLS streams, so neither takes the other's.
     calls = config.max_concurrent_calls + config.max_waiting_calls + OTHER_CALLS
     server = grpc.aio.server(
         options=grpc_options(config), interceptors=interceptors, maximum_concurrent_rpcs=calls
@@ -257,12 +269,15 @@ def create_front(
     reflection.enable_server_reflection(
         (SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server
     )
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    credentials = secrets.credentials()
     if credentials is None:
         port = server.add_insecure_port(address)
     else:
         port = server.add_secure_port(address, credentials)
-    http = create_http(config, http_address, embedder, manifest) if http_address else None
+    http = None
+    if http_address:  # its TLS from the bytes read at start, not from the settings' files
+        http_config = secrets.with_tls_files(config)
+        http = create_http(http_config, http_address, embedder, manifest, token)
     return Front(config, server, port, service, engine, readiness, manifest, http)
 
 
@@ -449,11 +464,11 @@ def start_tracing(config: ServerConfig) -> RequestTracer | None:
     return otlp_tracer(config.otlp_endpoint)
 
 
-async def serve_front(config: ServerConfig, place: Place) -> int:
+async def serve_front(config: ServerConfig, place: Place, secrets: Secrets) -> int:
     index = place.index
     tracer = start_tracing(config)
     front = create_front(
-        config, index, place.address, place.engine_address, place.queue, place.http_address, tracer
+        config, index, place.address, place.engine_address, place.queue, place.http_address, tracer, secrets
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -515,7 +530,7 @@ async def serve_front(config: ServerConfig, place: Place) -> int:
 TERMINATED = threading.Event()
 
 
-def run_front(config: ServerConfig, place: Place) -> None:
+def run_front(config: ServerConfig, place: Place, secrets: Secrets) -> None:
     """A front process's main (multiprocessing target)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: TERMINATED.set())
     # Ctrl-C and a closed terminal's SIGHUP reach the whole group: the supervisor decides.
@@ -525,7 +540,7 @@ def run_front(config: ServerConfig, place: Place) -> None:
     configure_logging(config)
     dump_stacks_on_signal()
     try:
-        code = asyncio.run(serve_front(config, place))
+        code = asyncio.run(serve_front(config, place, secrets))
     except Exception as e:  # a setting or file that cannot be used: the supervisor reports it
         place.events.send(("error", str(e)))
         raise SystemExit(2) from None

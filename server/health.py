@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
 
-__all__ = ["SERVICE_NAME", "HealthServicer", "new_health", "set_serving"]
+__all__ = ["SERVICE_NAME", "HealthServicer", "StreamLimit", "new_health", "set_serving"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOPPING = "the server is shutting down"
@@ -59,3 +62,63 @@ async def set_serving(servicer: health.aio.HealthServicer, serving: bool) -> Non
     status = SERVING if serving else NOT_SERVING
     for name in ("", SERVICE_NAME):
         await servicer.set(name, status)
+
+
+# The calls of health and reflection that stay open as long as the client likes. Neither needs the
+# token, and each holds one of gRPC's places (maximum_concurrent_rpcs, shared by every service) while
+# open: without a bound, 704 Watch streams on one connection took every place, and every Embed and
+# health Check got RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!" until they closed (an
+# acceptance pass).
+LONG_LIVED = frozenset(
+    {
+        "/grpc.health.v1.Health/Watch",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    }
+)
+
+
+class StreamLimit(grpc.aio.ServerInterceptor):
+    """At most `limit` LONG_LIVED calls open at once, in all; past it a call is refused at once with
+    RESOURCE_EXHAUSTED, so that those left of gRPC's cap stay for health Check and the service."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method not in LONG_LIVED:
+            return handler
+        if handler.unary_stream is not None:  # Watch
+            make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+        elif handler.stream_stream is not None:  # ServerReflectionInfo
+            make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+        else:
+            return handler
+        return make(self._bounded(behavior), handler.request_deserializer, handler.response_serializer)
+
+    def _bounded(self, behavior: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
+        async def bounded(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if self.open >= self.limit:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.limit} health Watch and reflection streams are open on this front process, "
+                    "its most: close one, or use health Check",
+                )
+            self.open += 1
+            try:
+                answers = behavior(request, context)
+                if inspect.isasyncgen(answers):  # reflection's servicer yields its answers
+                    async for answer in answers:
+                        await context.write(answer)
+                else:  # health's writes them itself
+                    await answers
+            finally:
+                self.open -= 1
+
+        return bounded

@@ -7,10 +7,13 @@ The token is compared in constant time and never logged.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import os
 import re
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import grpc
 
 from minilm_embed.proto.embedding.v1 import BEARER_TOKEN, SERVICE_NAME
 from minilm_embed.server import logs
-from minilm_embed.server.config import ConfigError, setting
+from minilm_embed.server.config import ConfigError, ServerConfig, setting
 from minilm_embed.server.details import details
 from minilm_embed.server.errors import Unauthenticated
 from minilm_embed.server.metrics import Metrics
@@ -38,8 +41,58 @@ def _read(path: str, name: str, what: str) -> bytes:
         raise SecurityConfigError(f"{setting(name)} {path}: cannot read the {what} ({e.strerror})") from e
 
 
-def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials | None:
-    """TLS when a certificate is given; with a client CA, clients must present a certificate it signed."""
+@dataclass(frozen=True)
+class Secrets:
+    """The bearer token and the TLS files' bytes, read once by the supervisor before any child starts
+    and handed to every front it starts (its spawn arguments, never argv or the environment): a front
+    started again after a death serves with what the first fronts served with. Read again by each
+    front, a changed token file had two fronts enforce different tokens, and an emptied one made the
+    restarted front die at every start (an acceptance pass)."""
+
+    token: str | None = field(default=None, repr=False)
+    tls_cert: bytes = b""  # PEM chain; b"": no TLS
+    tls_key: bytes = field(default=b"", repr=False)
+    tls_client_ca: bytes = b""  # b"": no client certificates asked for
+
+    def with_tls_files(self, config: ServerConfig) -> ServerConfig:
+        """`config` with its TLS settings naming this process's own in-memory copies of the bytes
+        (memfd, seen as /proc/self/fd/N): the HTTP API's TLS (uvicorn, Python's ssl) loads only files
+        by name, and a copy of the key on disk would outlive a killed server in an emptyDir on the
+        node's disk. The copies stay open for the process's life. Without TLS, no TLS settings."""
+        paths = {}
+        for name, data in (("cert", self.tls_cert), ("key", self.tls_key), ("client-ca", self.tls_client_ca)):
+            if data:
+                fd = os.memfd_create(f"tls-{name}", os.MFD_CLOEXEC)
+                with open(fd, "wb", closefd=False) as file:
+                    file.write(data)
+                paths[name] = f"/proc/self/fd/{fd}"
+        return dataclasses.replace(
+            config,
+            tls_cert=paths.get("cert", ""),
+            tls_key=paths.get("key", ""),
+            tls_client_ca=paths.get("client-ca", ""),
+        )
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """gRPC's server credentials over these bytes (None: plaintext)."""
+        if not self.tls_cert:
+            return None
+        roots = self.tls_client_ca or None
+        pair = (self.tls_key, self.tls_cert)
+        return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=bool(roots))
+
+
+def read_secrets(config: ServerConfig) -> Secrets:
+    """The token and the TLS files the settings name, each checked (SecurityConfigError naming the
+    setting). TLS when a certificate is given; with a client CA, clients must present a certificate
+    it signed."""
+    token = load_token(config.auth_token, config.auth_token_file)
+    tls = read_tls(config.tls_cert, config.tls_key, config.tls_client_ca)
+    return Secrets(token) if tls is None else Secrets(token, *tls)
+
+
+def read_tls(cert: str, key: str, client_ca: str) -> tuple[bytes, bytes, bytes] | None:
+    """The certificate chain, key and client CA (b"": none) the settings name, checked; None without TLS."""
     if not cert and not key:
         if client_ca:
             raise SecurityConfigError(
@@ -56,10 +109,9 @@ def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCreden
     # The certificate read first: with both missing, the one a user gives first is reported.
     chain = _read(cert, "tls_cert", "TLS certificate")
     private_key = _read(key, "tls_key", "TLS key")
-    pair = (private_key, chain)
-    roots = _read(client_ca, "tls_client_ca", "client CA") if client_ca else None
+    roots = _read(client_ca, "tls_client_ca", "client CA") if client_ca else b""
     _check_tls(cert, key, client_ca)
-    return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=roots is not None)
+    return chain, private_key, roots
 
 
 def _check_tls(cert: str, key: str, client_ca: str) -> None:

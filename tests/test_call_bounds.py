@@ -19,11 +19,13 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.budget import Places
+from minilm_embed.server.front import LONG_LIVED_CALLS, OTHER_CALLS
 from tests.server_process import ServerProcess, flags, serving
 from tests.test_server import error_details, metric
 
@@ -154,6 +156,48 @@ def test_a_unary_call_that_never_sends_its_message_gives_its_place_back_at_the_t
     assert "request had not all arrived 1 s after it had its place" in (ended.details() or "")
     assert error_details(ended)["ErrorInfo"].reason == "MESSAGE_TIMEOUT"  # type: ignore[attr-defined]
     assert took < 10, took  # the server's 1 s, not the call's own 30 s deadline
+
+
+def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_answer(
+    server: ServerProcess,
+) -> None:
+    """Watch streams, no token needed, each held one of gRPC's places (maximum_concurrent_rpcs): 704 on
+    one connection took them all, and every Embed and health Check got RESOURCE_EXHAUSTED "Concurrent
+    RPC limit exceeded!" (an acceptance pass). Past LONG_LIVED_CALLS open, with a reflection stream,
+    a Watch is refused at once; the connection's Embed and Check answer meanwhile."""
+    watches = CALLS + WAITING + OTHER_CALLS + 8  # more than gRPC's whole cap
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:  # one connection: one front
+            health = health_pb2_grpc.HealthStub(channel)
+            calls = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(watches)]
+            firsts = await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
+            refused = [f for f in firsts if isinstance(f, grpc.aio.AioRpcError)]
+            assert len(firsts) - len(refused) == LONG_LIVED_CALLS, firsts
+            assert {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
+            named = f"{LONG_LIVED_CALLS} health Watch and reflection streams are open"
+            assert any(named in (r.details() or "") for r in refused), refused
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            info = reflection.ServerReflectionInfo()  # the same share
+            with contextlib.suppress(grpc.aio.AioRpcError):  # refused before its request is read:
+                await info.write(reflection_pb2.ServerReflectionRequest(list_services=""))  # may race
+            assert await info.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await info.details()
+            embedding = pb_grpc.EmbeddingServiceStub(channel)
+            answer = await embedding.Embed(pb.EmbedRequest(texts=["watched"]), timeout=30)
+            assert len(answer.embeddings) == 1
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+            for call in calls:
+                call.cancel()
+            await asyncio.sleep(0.5)
+            # Closed ones give their place back: a reflection stream opens again.
+            info = reflection.ServerReflectionInfo()
+            await info.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            listed = await info.read()
+            await info.done_writing()
+            assert {s.name for s in listed.list_services_response.service} >= {"grpc.health.v1.Health"}
+
+    asyncio.run(scenario())
 
 
 def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProcess) -> None:

@@ -15,6 +15,7 @@ import datetime
 import ipaddress
 import json
 import secrets
+import shutil
 import socket
 import ssl
 import subprocess
@@ -42,6 +43,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from tests.reliability.probes import metrics_text
 from tests.server_process import ROOT, SERVICE_NAME, ServerProcess, flags, serving, start_server
+from tests.test_front_restarts import kill_the_front, served_again, wait_for_a_new_front
 from tests.test_server import error_details
 
 TOKEN = "tok-" + secrets.token_urlsafe(24)  # new each run, so a hit in a log is this run's leak
@@ -323,6 +325,43 @@ def test_the_token_from_the_environment_works_too(mtls_server, pki):
         assert code_of(lambda: anonymous.embed(["no token"])) == grpc.StatusCode.UNAUTHENTICATED
     with client(mtls_server, Security(pki.ca, pki.client_cert, pki.client_key, token=TOKEN)) as c:
         assert c.embed(["env token"]).shape == (1, 384)
+
+
+def test_no_child_inherits_the_token_from_the_environment(mtls_server):
+    """The fronts get the token from the supervisor (its spawn arguments), the engine never needs it."""
+    for pid in (*mtls_server.front_pids(), mtls_server.engine_pid):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"EMBED_AUTH_TOKEN=")], pid
+        assert TOKEN.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_restarted_front_serves_the_token_and_certificate_read_at_start(pki, tmp_path):
+    """Each front read the token and TLS files as it started: after the token file changed, a front
+    started again after a death enforced the new token and the others the old one (an acceptance pass),
+    and an emptied file had it die at every start. The supervisor reads them once, for every front."""
+    token_file, cert, key = tmp_path / "token", tmp_path / "server.pem", tmp_path / "server.key"
+    token_file.write_text(TOKEN + "\n")
+    shutil.copy(pki.server_cert, cert)
+    shutil.copy(pki.server_key, key)
+    settings = {"tls_cert": cert, "tls_key": key, "auth_token_file": token_file, "front_processes": 1}
+    with serving(*flags(settings)) as server:
+        token_file.write_text(WRONG + "\n")
+        shutil.copy(pki.rogue_cert, cert)  # signed by an authority the clients do not trust
+        shutil.copy(pki.rogue_key, key)
+        first, _ = kill_the_front(server)
+        wait_for_a_new_front(server, first)
+        assert served_again(server, 1), "".join(server.lines[-10:])
+        with client(server, Security(ca_cert=pki.ca, token=TOKEN)) as c:
+            assert c.embed(["the token read at start"]).shape == (1, 384)
+        with client(server, Security(ca_cert=pki.ca, token=WRONG)) as c:
+            assert code_of(lambda: c.embed(["the file's new token"])) == grpc.StatusCode.UNAUTHENTICATED
+        trusting = ssl.create_default_context(cafile=str(pki.ca))
+        with httpx.Client(verify=trusting, timeout=30) as c:
+            url = https(server, "/v1/embeddings")
+            ok = c.post(url, json={"input": "the token read at start"}, headers=bearer(TOKEN))
+            new = c.post(url, json={"input": "the file's new token"}, headers=bearer(WRONG))
+        assert ok.status_code == 200, ok.text
+        assert new.status_code == 401, new.text
 
 
 def test_refusals_are_counted_and_the_metrics_listen_only_on_their_own_interface(tls_server, pki):
