@@ -43,11 +43,24 @@ def setting(name: str) -> str:
 
 
 MIN_LIVENESS_TIMEOUT_S = 3.0
-# gRPC's channel arguments and the API's Limits (uint32) hold whole-number settings in 32 bits, and
-# seconds that gRPC takes in milliseconds as well: past these a server loaded the model and then
-# failed with "value too large to convert to int", naming no setting (an acceptance pass).
+# gRPC's channel arguments and the API's Limits (uint32) hold these whole numbers in 32 bits: past it
+# a server loaded the model and then failed with "value too large to convert to int", naming no
+# setting (an acceptance pass). The byte and character budgets are Python's own, unbounded.
 MAX_WHOLE_SETTING = 2**31 - 1
-MILLISECOND_SETTINGS = ("max_connection_age_s", "keepalive_s", "max_queue_delay_ms")
+THIRTY_TWO_BIT_SETTINGS = (
+    "max_message_bytes",
+    "max_concurrent_streams",
+    "max_inputs_per_request",
+    "max_text_chars",
+    "queue_limit",
+    "max_stream_in_flight",
+    "max_batch_tokens",
+    "max_batch_size",
+)
+# Seconds (and max_queue_delay_ms) that go out in 32-bit milliseconds or microseconds, to gRPC, to Info
+# or to the poll and select timeouts the supervisor waits with (multiprocessing's wait refused 2.2e6 s
+# as "timeout is too large"): at most ~24.8 days.
+LONGEST_WAIT = MAX_WHOLE_SETTING // 1000
 
 
 @dataclass(frozen=True)
@@ -226,21 +239,24 @@ class ServerConfig:
         self._check_otlp_endpoint()
 
     def _check_bounds(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_WHOLE_SETTING:
+        for name in THIRTY_TWO_BIT_SETTINGS:
+            if getattr(self, name) > MAX_WHOLE_SETTING:
                 raise ValueError(
-                    f"{setting(f.name)} must be at most {MAX_WHOLE_SETTING} (gRPC's settings are 32-bit), "
-                    f"not {value}"
+                    f"{setting(name)} must be at most {MAX_WHOLE_SETTING} (gRPC's settings are 32-bit), "
+                    f"not {getattr(self, name)}"
                 )
-        for name in MILLISECOND_SETTINGS:
-            # max_queue_delay_ms goes out in microseconds (Info's max_queue_delay_us): the same bound.
-            most = MAX_WHOLE_SETTING // 1000
-            if getattr(self, name) > most:
-                unit = "microseconds" if name == "max_queue_delay_ms" else "milliseconds"
+        calls = self.max_concurrent_calls + self.max_waiting_calls
+        if calls > MAX_WHOLE_SETTING // 2:  # with health's and reflection's, gRPC's one 32-bit cap
+            raise ValueError(
+                f"{setting('max_concurrent_calls')} and {setting('max_waiting_calls')} must add up to at "
+                f"most {MAX_WHOLE_SETTING // 2} (gRPC's cap on calls is 32-bit), not {calls}"
+            )
+        waits = [f.name for f in dataclasses.fields(self) if f.name.endswith("_s")] + ["max_queue_delay_ms"]
+        for name in waits:
+            if getattr(self, name) > LONGEST_WAIT:
                 raise ValueError(
-                    f"{setting(name)} must be at most {most} ({unit} of it must fit in 32 bits), "
-                    f"not {getattr(self, name):g}"
+                    f"{setting(name)} must be at most {LONGEST_WAIT} (it is waited for in 32-bit "
+                    f"milliseconds or microseconds), not {getattr(self, name)}"
                 )
         if self.max_request_bytes_in_flight < self.max_message_bytes:
             raise ValueError(

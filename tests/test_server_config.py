@@ -153,11 +153,18 @@ def refusal(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture[
         (
             ["--max-connection-age-s", "1e9"],
             {},
-            "--max-connection-age-s (EMBED_MAX_CONNECTION_AGE_S) must be at most 2147483 (milliseconds of "
-            "it must fit in 32 bits), not 1e+09",
+            "--max-connection-age-s (EMBED_MAX_CONNECTION_AGE_S) must be at most 2147483 (it is waited for "
+            "in 32-bit milliseconds or microseconds), not 1000000000.0",
         ),
-        (["--keepalive-s", "1e7"], {}, "--keepalive-s (EMBED_KEEPALIVE_S) must be at most 2147483"),
-        (["--max-queue-delay-ms", "1e7"], {}, "(microseconds of it must fit in 32 bits), not 1e+07"),
+        (["--keepalive-s", "2147483.9"], {}, "--keepalive-s (EMBED_KEEPALIVE_S) must be at most 2147483 "),
+        (["--max-queue-delay-ms", "1e7"], {}, "(EMBED_MAX_QUEUE_DELAY_MS) must be at most 2147483 "),
+        # The supervisor's wait for a drain refused it ("timeout is too large") at the first SIGTERM.
+        ([], {"EMBED_DRAIN_TIMEOUT_S": "1e9"}, "--drain-timeout-s (EMBED_DRAIN_TIMEOUT_S) must be at most"),
+        (
+            ["--max-concurrent-calls", "2000000000", "--max-waiting-calls", "2000000000"],
+            {},
+            "must add up to at most 1073741823 (gRPC's cap on calls is 32-bit), not 4000000000",
+        ),
         (
             ["--bulk-queue-share", "0"],
             {},
@@ -274,6 +281,12 @@ def test_a_number_that_cannot_be_read_is_one_message_from_the_flag_or_the_variab
     expected = f"{message} {HELP_POINTER}"
     assert refusal([flag(name), text], {}, capsys) == expected
     assert refusal([], {env_name(name): text}, capsys) == expected
+
+
+def test_the_byte_budgets_are_not_held_to_32_bits():
+    """Python's own budgets: only what goes to gRPC or into the API's Limits is."""
+    config = load_config(["--max-request-bytes-held", str(2**32)], {})
+    assert config.max_request_bytes_held == 2**32
 
 
 def test_a_flag_overrides_a_variable_the_server_could_not_read():
