@@ -887,6 +887,11 @@ def http_listener(api: HttpApi, sock: socket.socket, config: ServerConfig) -> Ht
     settings = uvicorn.Config(
         api.app(),
         http=bounded_h11(config, api.metrics),
+        # No WebSocket endpoint: with ws="auto" and the `websockets` package importable, an upgrade
+        # request went to uvicorn's WebSocket protocol, which logged its headers at DEBUG (the
+        # bearer token among them) and its path and query string at INFO. An upgrade is now
+        # answered as a plain HTTP request (uvicorn's warning about it: logs.UvicornFilter).
+        ws="none",
         lifespan="off",
         log_config=None,
         access_log=False,

@@ -109,6 +109,61 @@ def warn_replaced_id(protocol: str, given: str, why: str) -> None:
         log.warning("%s x-request-id %.64r not used (%s): this call's id is made up", protocol, given, why)
 
 
+# uvicorn's lines, as the handler `configure` installs lets them out (UvicornFilter).
+UVICORN_WARN_EVERY_S = 60.0  # each of uvicorn's warnings at most once a minute in a process
+UVICORN_WARNINGS_KEPT = 256  # different warnings rate-limited; one more is left out
+# uvicorn's advice after "Unsupported upgrade request." when it has no WebSocket protocol: the HTTP API
+# serves none (ws="none", server/http.py), and the package it names is what made uvicorn log a
+# WebSocket upgrade's headers.
+UVICORN_WEBSOCKET_ADVICE = "No supported WebSocket library detected."
+
+
+class UvicornFilter(logging.Filter):
+    """uvicorn's lines (loggers uvicorn, uvicorn.error, uvicorn.access, uvicorn.asgi): none below WARNING,
+    each WARNING at most once every UVICORN_WARN_EVERY_S, ERRORs as they are.
+
+    Below WARNING uvicorn writes about requests: with the `websockets` package importable, at DEBUG a
+    WebSocket upgrade's headers (the websockets library logs through uvicorn.error), a caller's
+    `authorization: Bearer` token among them, and at INFO a line per WebSocket request with the
+    client's address, path and query string, uncut (an acceptance pass: a 6 kB path and
+    `?text=my%20private%20query`); its access log (off) the same for every request. Its other lines
+    below WARNING ("Started server process") say what the front's own lines say.
+
+    Its WARNINGs come per request, to whoever connects ("Invalid HTTP request received.",
+    "Unsupported upgrade request."): one line each a request let anyone flood the log. Each is let
+    out at most once every UVICORN_WARN_EVERY_S, its message uvicorn's text alone (never its
+    arguments) saying so and how many were left out since. ERRORs (a port in use, an exception in the
+    app) pass unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.logged_at: dict[str, float] = {}  # a warning's text -> when it was last let out
+        self.left_out: dict[str, int] = {}  # a warning's text -> how many since
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "uvicorn" and not record.name.startswith("uvicorn."):
+            return True
+        if record.levelno >= logging.ERROR:
+            return True
+        text = str(record.msg)
+        if record.levelno < logging.WARNING or text.startswith(UVICORN_WEBSOCKET_ADVICE):
+            return False
+        now = time.monotonic()
+        with self.lock:
+            if now - self.logged_at.get(text, -math.inf) < UVICORN_WARN_EVERY_S:
+                self.left_out[text] = self.left_out.get(text, 0) + 1
+                return False
+            if text not in self.logged_at and len(self.logged_at) >= UVICORN_WARNINGS_KEPT:
+                return False
+            self.logged_at[text] = now
+            left_out = self.left_out.pop(text, 0)
+        since = f"; {left_out} more since it was last logged" if left_out else ""
+        record.msg = f"{text} [rate-limited: logged at most once every {UVICORN_WARN_EVERY_S:g} s{since}]"
+        record.args = ()
+        return True
+
+
 class RequestIdFilter(logging.Filter):
     """Gives each record a `request_id` (the current request's, unless the call named one)."""
 
@@ -182,10 +237,16 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, log_format: str) -> None:
-    """The root logger of this process: `level`, lines to stderr as `log_format` (text or json)."""
+    """The root logger of this process: `level`, lines to stderr as `log_format` (text or json), and
+    uvicorn's lines limited (UvicornFilter)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(RequestIdFilter())
+    handler.addFilter(UvicornFilter())
+    # uvicorn's lines below WARNING are not even made (UvicornFilter would drop them): its loggers
+    # otherwise take the root's level, DEBUG with --log-level DEBUG.
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -13,17 +13,25 @@ The padding ratio is a PromQL expression over two counters:
 
 from __future__ import annotations
 
+import io
 import os
 import resource
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, make_server
 
 import prometheus_client as prom
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, exposition, multiprocess
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 # Sub-millisecond to a minute: a short text's model run is ~1 ms on a GPU; a queued burst of bulk
 # requests on a small CPU takes 10-20 s (docs/benchmarks.md: the p99 at 256 callers of 32 inputs is
@@ -323,8 +331,116 @@ def scrape_registry(
     return registry
 
 
-def serve_metrics(registry: CollectorRegistry, address: str) -> int:
-    """Start the /metrics HTTP endpoint in a daemon thread; returns the bound port."""
+# prometheus_client's start_http_server holds a thread per connection for as long as its client
+# keeps it open: 500 connections that sent half a request made 500 supervisor threads (+13 MB), held
+# 20-62 s, while it accepted ~10 connections a second. A scrape's request comes in one packet and its
+# answer takes ~20 ms.
+METRICS_TIMEOUT_S = 5.0  # for a request's line and headers, in all; then for each write of its answer
+METRICS_MAX_CONNECTIONS = 32  # served at once; one more is closed at once, unanswered
+
+
+def serve_metrics(
+    registry: CollectorRegistry,
+    address: str,
+    *,
+    timeout_s: float = METRICS_TIMEOUT_S,
+    max_connections: int = METRICS_MAX_CONNECTIONS,
+) -> int:
+    """Start the /metrics HTTP endpoint (prometheus_client's WSGI app) in a daemon thread; returns the
+    bound port. A connection whose request has not all come within `timeout_s`, or whose client reads
+    nothing of the answer for `timeout_s`, is closed; past `max_connections` open, one more is closed
+    at once."""
     host, _, port = address.rpartition(":")
-    server, _thread = prom.start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+
+    class Server(_MetricsServer):
+        pass
+
+    Server.address_family, addr = exposition._get_best_family(host or "0.0.0.0", int(port))
+    Server.slots = threading.BoundedSemaphore(max_connections)
+    Handler = type("Handler", (_MetricsHandler,), {"timeout": timeout_s})
+    server = make_server(addr, int(port), exposition.make_wsgi_app(registry), Server, Handler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return int(server.server_port)
+
+
+class _MetricsServer(exposition.ThreadingWSGIServer):
+    """prometheus_client's server (a daemon thread per connection), at most `slots` connections at once."""
+
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started to release it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    """wsgiref's handler (prometheus_client's, which logs nothing) with a deadline: the request's line
+    and headers must all come within `timeout` of the connection's start (each byte within it was not
+    enough: a client sending a byte every few seconds would hold its thread), then each write of the
+    answer must go out within `timeout`. A client too slow, or gone, is left without a line in the log;
+    an error of the app's (a collector's) is still written out."""
+
+    timeout = METRICS_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own file: closed, or closing the socket waits for it
+        self.rfile = io.BufferedReader(_ReadBy(self.connection, time.monotonic() + self.timeout))
+
+    def handle(self) -> None:
+        """wsgiref's, with the answer's writes given `timeout` each, and a client too slow (a read or a
+        write timed out) or gone left without a traceback."""
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(414)
+                return
+            if not self.parse_request():  # an error answer was sent
+                return
+            self.connection.settimeout(self.timeout)
+            streams = (self.rfile, self.wfile, self.get_stderr())
+            answer = _Answer(*streams, self.get_environ(), multithread=False)  # type: ignore[arg-type]
+            answer.request_handler = self  # type: ignore[attr-defined]  # wsgiref's, for log_request
+            answer.run(self.server.get_app())  # type: ignore[attr-defined]
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Answer(ServerHandler):
+    def log_exception(self, exc_info: Any) -> None:
+        if not isinstance(exc_info[1], TimeoutError):  # the client's: it read nothing for the timeout
+            super().log_exception(exc_info)
+
+
+class _ReadBy(io.RawIOBase):
+    """A socket's bytes, each read given what is left until `deadline` (time.monotonic())."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not all come in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)

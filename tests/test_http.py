@@ -677,6 +677,59 @@ def test_a_request_h11_cannot_parse_gets_400_in_openais_shape(server, header):
     assert error["code"] == "malformed_request" and "malformed HTTP request" in error["message"]
 
 
+UPGRADE = (
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+)
+
+
+def answer_line(server: ServerProcess, request: bytes) -> bytes:
+    """The first line of the answer to `request`, sent on a connection of its own."""
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        return sock.recv(65536).partition(b"\r\n")[0]
+
+
+def test_a_websocket_upgrade_leaves_neither_its_token_nor_its_query_in_the_log(server):
+    """The API serves no WebSocket. With the `websockets` package importable (this environment has
+    it), uvicorn took an `Upgrade: websocket` request to its WebSocket protocol: it answered 403 and
+    logged at INFO the client's address, path and query string (a call's text), uncut, and at DEBUG
+    the request's headers, the bearer token among them. It is answered as any other request now, and
+    the log holds nothing of it."""
+    secret = b"my%20private%20query%20" + str(time.time_ns()).encode()
+    target = b"/v1/models?text=" + secret
+    auth = b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+    head = b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n" + UPGRADE + auth + b"\r\n"
+    status = answer_line(server, head)
+    time.sleep(1.0)  # the front's lines reach server.lines
+    logged = "".join(server.lines)
+    assert secret.decode() not in logged and "my private query" not in logged
+    assert TOKEN not in logged
+    assert status.startswith(b"HTTP/1.1 200 "), status  # GET /v1/models, with the right token
+
+
+def test_requests_that_make_uvicorn_warn_are_logged_once_a_minute_not_once_each(server):
+    """uvicorn logs a WARNING for each request with an `Upgrade` header ("Unsupported upgrade
+    request.", then advice to install a WebSocket library) and each it cannot parse ("Invalid HTTP
+    request received."): any client could flood the log. Each message is logged at most once a
+    minute in a front, saying so; the advice, wrong for an API that serves no WebSocket, not at all."""
+    before = len(server.lines)
+    for _ in range(8):
+        answer_line(
+            server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n" + UPGRADE + b"\r\n"
+        )
+        answer_line(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\n" + UPGRADE + b"\r\n")
+        answer_line(server, b"BAD REQUEST LINE\r\n\r\n")
+    time.sleep(1.0)
+    fronts = len(server.front_pids())
+    logged, since = list(server.lines), server.lines[before:]
+    for message in ("Unsupported upgrade request.", "Invalid HTTP request received."):
+        assert any(message in line for line in logged), message  # still told, once
+        lines = [line for line in since if message in line]
+        assert len(lines) <= fronts and all("rate-limited" in line for line in lines), lines
+    assert not any("WebSocket library" in line for line in logged)
+
+
 def test_truncate_true_or_null_cuts_a_long_input_as_by_default(server, grpc_vectors):
     """TEI's `truncate`; true (the default, as gRPC's) cuts LONG at 256 tokens, on texts and token ids."""
     want = grpc_vectors[-1:]

@@ -402,6 +402,59 @@ def test_text_lines_name_the_request_and_json_lines_carry_the_exception():
     )
 
 
+UVICORN_LINES = """
+import logging
+from minilm_embed.server import logs
+logs.configure("DEBUG", "text")
+error = logging.getLogger("uvicorn.error")
+error.debug("< GET /v1/embeddings HTTP/1.1\\n< authorization: Bearer %s", "secret-token")
+error.info('%s - "WebSocket %s" 403', "127.0.0.1:5000", "/v1/x?text=my%20private%20query")
+logging.getLogger("uvicorn.access").info('%s - "GET %s HTTP/1.1" 200', "127.0.0.1:5000", "/v1/y?q=private")
+for _ in range(5):
+    error.warning("Invalid HTTP request received.")
+    error.warning("Unsupported upgrade request.")
+    error.warning("No supported WebSocket library detected. Please use pip install 'uvicorn[standard]'")
+error.error("[Errno 98] address already in use")
+logging.getLogger("minilm_embed.server.http").debug("ours at DEBUG")
+"""
+
+
+def test_uvicorn_logs_nothing_of_a_request_at_debug_and_each_warning_once_a_minute():
+    """At --log-level DEBUG uvicorn's loggers took the root's level: the websockets library (through
+    uvicorn.error) logged an upgrade's headers, a bearer token among them; at INFO uvicorn logged
+    a WebSocket request's path and query string; and it logs a WARNING per bad request, which anyone
+    can send. Below WARNING nothing of uvicorn's is logged; each warning once a minute, saying so;
+    its errors and the server's own DEBUG lines as they are."""
+    done = subprocess.run(
+        [sys.executable, "-c", UVICORN_LINES], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert not any("secret-token" in line or "private" in line for line in lines), lines
+    for message in ("Invalid HTTP request received.", "Unsupported upgrade request."):
+        [line] = [line for line in lines if message in line]
+        assert " WARNING " in line and "rate-limited: logged at most once every 60 s" in line, line
+    assert not any("WebSocket library" in line for line in lines), lines
+    assert any(" ERROR " in line and "address already in use" in line for line in lines), lines
+    assert any("ours at DEBUG" in line for line in lines), lines
+
+
+def test_a_uvicorn_warning_logged_again_after_a_minute_says_how_many_were_left_out():
+    uvicorn = logs.UvicornFilter()
+
+    def record(message: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, message, args, None)
+
+    first = record("Invalid HTTP request received.")
+    assert uvicorn.filter(first) and first.getMessage().startswith("Invalid HTTP request received. [")
+    assert not any(uvicorn.filter(record("Invalid HTTP request received.")) for _ in range(3))
+    uvicorn.logged_at["Invalid HTTP request received."] -= logs.UVICORN_WARN_EVERY_S
+    again = record("Invalid HTTP request received.")
+    assert uvicorn.filter(again) and "; 3 more since it was last logged]" in again.getMessage()
+    with_args = record("a warning about %s", "GET /v1/x?text=private")
+    assert uvicorn.filter(with_args) and "private" not in with_args.getMessage()  # uvicorn's text alone
+
+
 def test_a_json_line_too_long_for_the_relay_keeps_its_level_and_both_ends_of_its_fields():
     """A line over the relay's limit would be cut and re-wrapped as an ERROR of unknown origin."""
     record = logging.LogRecord(

@@ -6,9 +6,11 @@ every family and passes `promtool check metrics`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -41,6 +43,7 @@ from minilm_embed.server.metrics import (
     REFUSAL_REASONS,
     Metrics,
     SupervisorMetrics,
+    serve_metrics,
 )
 from tests.conftest import REPO_ROOT
 from tests.server_process import ServerProcess, serving
@@ -580,3 +583,71 @@ def test_the_batch_histograms_reach_the_largest_automatic_batches():
     only in +Inf when the buckets stopped at 256 rows and 16,384 tokens."""
     for rows, tokens in AUTO_BATCH_LIMITS.values():
         assert rows <= BATCH_SIZE_BUCKETS[-1] and tokens <= BATCH_TOKEN_BUCKETS[-1]
+
+
+# The /metrics port: every connection held a supervisor thread for as long as its client kept it open.
+
+
+def _metrics_port(timeout_s: float, max_connections: int = 32) -> int:
+    registry = CollectorRegistry()
+    registry.register(SupervisorMetrics())
+    return serve_metrics(registry, "127.0.0.1:0", timeout_s=timeout_s, max_connections=max_connections)
+
+
+def _half_requests(port: int, n: int) -> list[socket.socket]:
+    """`n` connections that sent half a request line, as the acceptance pass's 500 did."""
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+    for sock in held:
+        sock.sendall(b"GET /metr")
+    return held
+
+
+def _closed_after(sock: socket.socket) -> float:
+    """Seconds until the server closed `sock` (read its end, or a reset), at most its timeout."""
+    started = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(100) == b""
+    return time.monotonic() - started
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def test_a_metrics_request_not_all_sent_in_time_is_closed():
+    """500 connections that sent half a request held 500 supervisor threads for 20-62 s. The request
+    must all come within the timeout, however its bytes trickle in."""
+    port = _metrics_port(timeout_s=1.0)
+    [half] = _half_requests(port, 1)
+    trickled = socket.create_connection(("127.0.0.1", port), timeout=0.3)
+    for byte in b"GET /metrics HTTP/1.1\r\n":  # a byte every 0.3 s: within any per-read timeout
+        trickled.sendall(bytes([byte]))
+        with contextlib.suppress(TimeoutError):
+            if trickled.recv(100) == b"":
+                break
+    else:
+        raise AssertionError("a request trickled in for 7 s was still being read")
+    assert _closed_after(half) < 1.5
+    assert "embed_front_restarts_total" in _scrape(port)
+    half.close()
+    trickled.close()
+
+
+def test_metrics_connections_past_the_bound_are_closed_at_once_and_a_scrape_gets_a_freed_place():
+    port = _metrics_port(timeout_s=10.0, max_connections=4)
+    held = _half_requests(port, 4)
+    time.sleep(0.2)  # each taken by the server
+    extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert _closed_after(extra) < 1.0  # not held until the others end
+    held.pop().close()  # its place is free once the server has seen the close
+    scraped = ""
+    deadline = time.monotonic() + 2.0
+    while not scraped and time.monotonic() < deadline:
+        try:
+            scraped = _scrape(port)
+        except OSError:  # closed at once: the place not free yet
+            time.sleep(0.05)
+    assert "embed_front_restarts_total" in scraped
+    for sock in [*held, extra]:
+        sock.close()
