@@ -14,6 +14,7 @@ The padding ratio is a PromQL expression over two counters:
 from __future__ import annotations
 
 import io
+import logging
 import os
 import resource
 import socket
@@ -32,6 +33,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
+
+log = logging.getLogger(__name__)
 
 # Sub-millisecond to a minute: a short text's model run is ~1 ms on a GPU; a queued burst of bulk
 # requests on a small CPU takes 10-20 s (docs/benchmarks.md: the p99 at 256 callers of 32 inputs is
@@ -208,6 +211,26 @@ class Metrics:
 DEAD_PROCESSES = "dead"
 
 
+def _fold(source: Path, dead: Path) -> None:
+    """`dead`'s values plus `source`'s, written to a file that then replaces `dead`; `source` removed."""
+    sums: dict[str, tuple[float, float]] = {}
+    for path in (dead, source):
+        if path.exists():
+            for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(str(path)):
+                total, _ = sums.get(key, (0.0, 0.0))
+                sums[key] = (total + value, timestamp)
+    new = dead.with_suffix(".new")  # not *.db: the scrape never reads it
+    new.unlink(missing_ok=True)
+    merged = MmapedDict(str(new))
+    try:
+        for key, (value, timestamp) in sums.items():
+            merged.write_value(key, value, timestamp)
+    finally:
+        merged.close()
+    os.replace(new, dead)
+    source.unlink()
+
+
 class SupervisorMetrics(Collector):
     """The supervisor's own metrics, kept in its memory and served beside the children's sums.
 
@@ -231,7 +254,9 @@ class SupervisorMetrics(Collector):
         gauges' go), so that its counts stay in the sums: each front restart left ~90 kB, and a front
         dying every 30 s for a day would have filled the pod's 64 MiB /tmp (an acceptance pass: 184
         kB after 2 restarts). Under the scrape's lock: a scrape between the addition and the removal
-        would count the dead front twice, and the counter falling back would read as a reset.
+        would count the dead front twice, and the counter falling back would read as a reset. The sums
+        are written to a new file that then takes the old one's name, so a failure (a full /tmp, a
+        damaged file) changes nothing: it is logged, the dead front's files stay, the server serves on.
         """
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not directory:
@@ -239,16 +264,12 @@ class SupervisorMetrics(Collector):
         with self.files_lock:
             for kind in ("counter", "histogram"):
                 source = Path(directory, f"{kind}_{pid}.db")
-                if not source.exists():
-                    continue
-                dead = MmapedDict(str(Path(directory, f"{kind}_{DEAD_PROCESSES}.db")))
+                dead = Path(directory, f"{kind}_{DEAD_PROCESSES}.db")
                 try:
-                    for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(str(source)):
-                        total, _ = dead.read_value(key)
-                        dead.write_value(key, total + value, timestamp)
-                finally:
-                    dead.close()
-                source.unlink()
+                    if source.exists():
+                        _fold(source, dead)
+                except Exception:
+                    log.exception("could not fold the %s file of front pid %d into %s", kind, pid, dead.name)
 
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(

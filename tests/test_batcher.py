@@ -414,7 +414,10 @@ def test_a_full_queue_of_long_inputs_after_short_ones_says_their_time_not_the_sh
 
     short_pace, s_per_token, error = run(scenario)
     assert error.retry_after_s == pytest.approx(4 * 50 * s_per_token)  # 4 inputs of 50 tokens must leave
-    assert 0.8 <= error.retry_after_s < 1.6, error.retry_after_s  # 4 x 0.2 s, and sleeps' overhead
+    # The pace is the short batches' (the long batch is held at the gate): 4 ms a token and each
+    # batch's hand-off to its thread spread over its 8 tokens, so at least the 0.8 s the 4 inputs take.
+    # The upper bound only says it is of that order: a loaded machine's hand-offs add to it.
+    assert 0.8 <= error.retry_after_s < 4.0, error.retry_after_s
     assert 4 * short_pace < 0.1, short_pace  # per input, the short ones' pace said the 0.1 s floor
 
 

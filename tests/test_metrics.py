@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -651,3 +652,62 @@ def test_metrics_connections_past_the_bound_are_closed_at_once_and_a_scrape_gets
     assert "embed_front_restarts_total" in scraped
     for sock in [*held, extra]:
         sock.close()
+
+
+def _counter_file(path, values: dict[str, float]) -> None:
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    counts = MmapedDict(str(path))
+    try:
+        for code, value in values.items():
+            key = mmap_key("embed_requests", "embed_requests_total", ["code"], [code], "RPCs.")
+            counts.write_value(key, value, 0.0)
+    finally:
+        counts.close()
+
+
+def _totals(directory) -> dict[str, float]:
+    from prometheus_client import multiprocess
+
+    collector = multiprocess.MultiProcessCollector(None, path=str(directory))
+    return {
+        s.labels["code"]: s.value
+        for family in collector.collect()
+        for s in family.samples
+        if s.name == "embed_requests_total"
+    }
+
+
+def test_dead_fronts_counts_are_folded_into_one_file_and_kept(tmp_path, monkeypatch):
+    """Each dead front's counter file is added into counter_dead.db and removed: the sums stay."""
+    from minilm_embed.server.metrics import SupervisorMetrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    _counter_file(tmp_path / "counter_101.db", {"OK": 3, "INTERNAL": 1})
+    _counter_file(tmp_path / "counter_102.db", {"OK": 5})
+    _counter_file(tmp_path / "counter_103.db", {"OK": 7})  # alive: stays
+    before = _totals(tmp_path)
+    supervisor = SupervisorMetrics()
+    supervisor.fold_dead(101)
+    supervisor.fold_dead(102)
+    supervisor.fold_dead(104)  # no files: nothing to do
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_103.db", "counter_dead.db"]
+    assert _totals(tmp_path) == before == {"OK": 15, "INTERNAL": 1}
+
+
+def test_a_fold_that_fails_changes_nothing_and_is_logged(tmp_path, monkeypatch, caplog):
+    """A damaged file (or a full /tmp) must not stop the server, nor count anything twice."""
+    from minilm_embed.server.metrics import SupervisorMetrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    _counter_file(tmp_path / "counter_dead.db", {"OK": 2})
+    # Not a file prometheus_client wrote: 64 bytes used, a first key said to be 1,000 bytes long.
+    (tmp_path / "counter_101.db").write_bytes(struct.pack("ii", 64, 0) + struct.pack("i", 1000) + b"x" * 52)
+    SupervisorMetrics().fold_dead(101)
+    assert "could not fold the counter file of front pid 101" in caplog.text
+    assert (tmp_path / "counter_101.db").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_101.db", "counter_dead.db"]
+    _counter_file(tmp_path / "counter_102.db", {"OK": 1})
+    SupervisorMetrics().fold_dead(102)
+    (tmp_path / "counter_101.db").unlink()
+    assert _totals(tmp_path) == {"OK": 3}
