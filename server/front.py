@@ -255,7 +255,7 @@ def create_front(
     )
     token = secrets.token
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
-    interceptors.append(StreamLimit(LONG_LIVED_CALLS))
+    interceptors.append(StreamLimit(OTHER_CALLS, LONG_LIVED_CALLS, config.message_timeout_s))
     interceptors += [BearerAuth(token, metrics)] if token else []
     # gRPC's own cap on calls, over every service: the backstop for those the service's places do
     # not count (health, reflection), each of which gRPC reads whole as well. The service refuses past

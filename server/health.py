@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -76,15 +76,25 @@ LONG_LIVED = frozenset(
         "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
     }
 )
+CHECK = "/grpc.health.v1.Health/Check"
 
 
 class StreamLimit(grpc.aio.ServerInterceptor):
-    """At most `limit` LONG_LIVED calls open at once, in all; past it a call is refused at once with
-    RESOURCE_EXHAUSTED, so that those left of gRPC's cap stay for health Check and the service."""
+    """Health's and reflection's calls: at most `limit` open at once, of them at most `long_lived`
+    LONG_LIVED ones; past either a call is refused at once with RESOURCE_EXHAUSTED. With the service's
+    own places (max_concurrent_calls + max_waiting_calls) they fit gRPC's cap, so neither takes the
+    other's. Each is handled as a call that streams its requests, so that it is counted from its
+    arrival, before its message, and Check and Watch must send their message within `message_timeout_s`
+    (then DEADLINE_EXCEEDED): gRPC reads a unary request before any handler runs, and 80 Check calls
+    that sent their headers and no message held every place, Embed and Check refused, for good (seen
+    after the Watch streams were bounded)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, long_lived: int, message_timeout_s: float) -> None:
         self.limit = limit
+        self.long_lived = long_lived
+        self.message_timeout_s = message_timeout_s
         self.open = 0
+        self.open_long_lived = 0
 
     async def intercept_service(
         self,
@@ -92,33 +102,78 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method not in LONG_LIVED:
+        if handler is None or (details.method not in LONG_LIVED and details.method != CHECK):
             return handler
-        if handler.unary_stream is not None:  # Watch
-            make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
-        elif handler.stream_stream is not None:  # ServerReflectionInfo
-            make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
-        else:
-            return handler
-        return make(self._bounded(behavior), handler.request_deserializer, handler.response_serializer)
+        long_lived = details.method in LONG_LIVED
+        codecs = (handler.request_deserializer, handler.response_serializer)
+        if handler.unary_unary is not None:  # Check
+            unary = handler.unary_unary
 
-    def _bounded(self, behavior: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
-        async def bounded(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if self.open >= self.limit:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.limit} health Watch and reflection streams are open on this front process, "
-                    "its most: close one, or use health Check",
-                )
-            self.open += 1
-            try:
-                answers = behavior(request, context)
-                if inspect.isasyncgen(answers):  # reflection's servicer yields its answers
-                    async for answer in answers:
-                        await context.write(answer)
-                else:  # health's writes them itself
-                    await answers
-            finally:
-                self.open -= 1
+            async def check(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                with self._place(long_lived):
+                    await self._refuse_past_limits(context, long_lived)
+                    return await unary(await self._first(requests, context, details.method), context)
 
-        return bounded
+            return grpc.stream_unary_rpc_method_handler(check, *codecs)
+        if handler.unary_stream is not None:  # Watch: health's writes its answers itself
+            watch = handler.unary_stream
+
+            async def watched(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                with self._place(long_lived):
+                    await self._refuse_past_limits(context, long_lived)
+                    await watch(await self._first(requests, context, details.method), context)
+
+            return grpc.stream_stream_rpc_method_handler(watched, *codecs)
+        if handler.stream_stream is not None:  # ServerReflectionInfo: reflection's yields its answers
+            stream = handler.stream_stream
+
+            async def streamed(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                with self._place(long_lived):
+                    await self._refuse_past_limits(context, long_lived)
+                    answers = stream(requests, context)
+                    if inspect.isasyncgen(answers):
+                        async for answer in answers:
+                            await context.write(answer)
+                    else:
+                        await answers
+
+            return grpc.stream_stream_rpc_method_handler(streamed, *codecs)
+        return handler
+
+    @contextlib.contextmanager
+    def _place(self, long_lived: bool) -> Iterator[None]:
+        self.open += 1
+        self.open_long_lived += long_lived
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self.open_long_lived -= long_lived
+
+    async def _refuse_past_limits(self, context: grpc.aio.ServicerContext, long_lived: bool) -> None:
+        if long_lived and self.open_long_lived > self.long_lived:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.long_lived} health Watch and reflection streams are open on this front process, "
+                "its most: close one, or use health Check",
+            )
+        if self.open > self.limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limit} health and reflection calls are open on this front process, its most: "
+                "retry in a moment",
+            )
+
+    async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
+        """The call's one request, within message_timeout_s."""
+        try:
+            request = await asyncio.wait_for(anext(aiter(requests), None), self.message_timeout_s)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the {method} call's request had not arrived {self.message_timeout_s:g} s after it began "
+                "(message_timeout_s)",
+            )
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call sent no request")
+        return request

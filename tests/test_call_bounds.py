@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 import httpx
@@ -198,6 +198,52 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
             assert {s.name for s in listed.list_services_response.service} >= {"grpc.health.v1.Health"}
 
     asyncio.run(scenario())
+
+
+def test_health_checks_that_send_no_request_cannot_take_the_services_places(server: ServerProcess) -> None:
+    """gRPC reads a unary call's request before any handler runs: 80 Check calls that sent their
+    headers and no message held every one of gRPC's places, and Embed and Check were refused
+    "Concurrent RPC limit exceeded!" for good. Now health's calls are counted from their arrival, and
+    past OTHER_CALLS refused at once; the service's places stay its own."""
+    checks = CALLS + WAITING + OTHER_CALLS + 13  # more than gRPC's whole cap
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:  # one connection: one front
+            stuck = channel.stream_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
+            never = asyncio.Event()
+
+            async def no_request() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+                await never.wait()
+                yield health_pb2.HealthCheckRequest()
+
+            calls = [stuck(no_request()) for _ in range(checks)]
+            await wait_until_async(lambda: sum(c.done() for c in calls) >= checks - OTHER_CALLS, 20)
+            refused = [c for c in calls if c.done()]
+            assert len(refused) == checks - OTHER_CALLS
+            for call in refused:
+                assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await call.details()
+            assert f"{OTHER_CALLS} health and reflection calls are open" in (await refused[0].details())
+            embedding = pb_grpc.EmbeddingServiceStub(channel)
+            answer = await embedding.Embed(pb.EmbedRequest(texts=["checked"]), timeout=30)
+            assert len(answer.embeddings) == 1
+            for call in calls:
+                call.cancel()
+            await asyncio.sleep(0.5)
+            health = health_pb2_grpc.HealthStub(channel)
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(scenario())
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def test_calls_cancelled_at_any_point_give_their_place_back(server: ServerProcess) -> None:
