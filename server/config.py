@@ -245,11 +245,11 @@ class ServerConfig:
                     f"{setting(name)} must be at most {MAX_WHOLE_SETTING} (gRPC's settings are 32-bit), "
                     f"not {getattr(self, name)}"
                 )
-        calls = self.max_concurrent_calls + self.max_waiting_calls
-        if calls > MAX_WHOLE_SETTING // 2:  # with health's and reflection's, gRPC's one 32-bit cap
+        calls, most = self.max_concurrent_calls + self.max_waiting_calls, MAX_WHOLE_SETTING // 2
+        if calls > most:  # with health's and reflection's, gRPC's one 32-bit cap (server/front.py)
             raise ValueError(
                 f"{setting('max_concurrent_calls')} and {setting('max_waiting_calls')} must add up to at "
-                f"most {MAX_WHOLE_SETTING // 2} (gRPC's cap on calls is 32-bit), not {calls}"
+                f"most {most} (gRPC's cap on calls is 32-bit), not {calls}"
             )
         waits = [f.name for f in dataclasses.fields(self) if f.name.endswith("_s")] + ["max_queue_delay_ms"]
         for name in waits:

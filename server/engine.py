@@ -166,7 +166,6 @@ class Engine:
             longest, pool = self.repo.max_input_tokens, self.batcher.executor
             warm_s = await asyncio.to_thread(warm_up, self.backend, self.config, longest, pool)
             self.metrics.warmup_seconds.set(warm_s)
-            self.metrics.ready.set(1)  # the server is ready when the engine and every front are
             b = self.backend
             self.facts = protocol.EngineFacts(
                 b.provider,

@@ -85,12 +85,17 @@ class Front:
     http: HttpListener | None = None
 
 
-# Calls beyond the service's own places (max_concurrent_calls + max_waiting_calls) that gRPC itself
-# admits: health and reflection. At most LONG_LIVED_CALLS of them are the streams a client holds open
-# (health Watch, reflection's ServerReflectionInfo; health.StreamLimit refuses the rest), so a flood of
-# those leaves the others for health Check.
-OTHER_CALLS = 64
-LONG_LIVED_CALLS = OTHER_CALLS // 2
+# Health's and reflection's calls, beyond the service's own places, that gRPC admits (health.StreamLimit
+# refuses the rest at once): LONG_LIVED_CALLS streams clients hold open (health Watch, reflection's
+# ServerReflectionInfo), and HEALTH_CHECKS more for Check, which probes use. The project's client holds
+# one Watch per connection (its channel's health checking): at 32 streams a front, the 33rd client's
+# connection was refused its Watch and its calls UNAVAILABLE, and 32 anonymous streams did it to every
+# new client (an acceptance pass). As many as --http-max-connections' default: a connection each.
+LONG_LIVED_CALLS = 1024
+HEALTH_CHECKS = 32
+OTHER_CALLS = LONG_LIVED_CALLS + HEALTH_CHECKS
+
+
 # Half the 10 s floor of grpc-go's and grpc-java's client keepalive: a ping a little early (timer
 # jitter) is not a strike, and strikes add up over an idle connection's life.
 MIN_CLIENT_PING_MS = 5000
@@ -257,9 +262,8 @@ def create_front(
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
     interceptors.append(StreamLimit(OTHER_CALLS, LONG_LIVED_CALLS, config.message_timeout_s))
     interceptors += [BearerAuth(token, metrics)] if token else []
-    # gRPC's own cap on calls, over every service: the backstop for those the service's places do
-    # not count (health, reflection), each of which gRPC reads whole as well. The service refuses past
-    # its own places, StreamLimit past LONG_LIVED_CALLS streams, so neither takes the other's.
+    # gRPC's own cap on calls, over every service: the backstop for what the service's places and
+    # StreamLimit count (each of which gRPC reads whole as well), so neither takes the other's.
     calls = config.max_concurrent_calls + config.max_waiting_calls + OTHER_CALLS
     server = grpc.aio.server(
         options=grpc_options(config), interceptors=interceptors, maximum_concurrent_rpcs=calls

@@ -186,10 +186,13 @@ class Metrics:
         )
         self.ready = Gauge(
             "embed_ready",
-            "1 once warm and serving, 0 while warming or draining (the least over front processes), "
-            "or while no front process is alive to serve.",
+            "1 while a front process serves (the model warm), 0 while warming, draining, or no front "
+            "process is alive to serve.",
             registry=r,
-            multiprocess_mode="livemin",
+            # The most over the live processes: a front started again beside one serving writes its
+            # own 0 while it starts, which the least over them read as the server not ready (0.25-0.55
+            # s at each front restart, an acceptance pass). Only fronts write it.
+            multiprocess_mode="livemax",
         )
         self._start_at_zero()
 

@@ -165,12 +165,14 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
     one connection took them all, and every Embed and health Check got RESOURCE_EXHAUSTED "Concurrent
     RPC limit exceeded!" (an acceptance pass). Past LONG_LIVED_CALLS open, with a reflection stream,
     a Watch is refused at once; the connection's Embed and Check answer meanwhile."""
-    watches = CALLS + WAITING + OTHER_CALLS + 8  # more than gRPC's whole cap
+    watches = LONG_LIVED_CALLS + 8
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(server.address) as channel:  # one connection: one front
+        # Two connections (a connection takes 1,024 streams at once, --max-concurrent-streams), one front.
+        async with own_channel(server) as channel, own_channel(server) as other:
             health = health_pb2_grpc.HealthStub(channel)
-            calls = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(watches)]
+            stubs = (health, health_pb2_grpc.HealthStub(other))
+            calls = [stubs[i % 2].Watch(health_pb2.HealthCheckRequest(service="")) for i in range(watches)]
             firsts = await asyncio.gather(*(c.read() for c in calls), return_exceptions=True)
             refused = [f for f in firsts if isinstance(f, grpc.aio.AioRpcError)]
             assert len(firsts) - len(refused) == LONG_LIVED_CALLS, firsts
@@ -205,22 +207,25 @@ def test_health_checks_that_send_no_request_cannot_take_the_services_places(serv
     headers and no message held every one of gRPC's places, and Embed and Check were refused
     "Concurrent RPC limit exceeded!" for good. Now health's calls are counted from their arrival, and
     past OTHER_CALLS refused at once; the service's places stay its own."""
-    checks = CALLS + WAITING + OTHER_CALLS + 13  # more than gRPC's whole cap
+    checks = OTHER_CALLS + 16
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(server.address) as channel:  # one connection: one front
-            stuck = channel.stream_unary(
-                "/grpc.health.v1.Health/Check",
-                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=health_pb2.HealthCheckResponse.FromString,
-            )
+        async with own_channel(server) as channel, own_channel(server) as other:  # one front
+            stuck = [
+                ch.stream_unary(
+                    "/grpc.health.v1.Health/Check",
+                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                    response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                )
+                for ch in (channel, other)
+            ]
             never = asyncio.Event()
 
             async def no_request() -> AsyncIterator[health_pb2.HealthCheckRequest]:
                 await never.wait()
                 yield health_pb2.HealthCheckRequest()
 
-            calls = [stuck(no_request()) for _ in range(checks)]
+            calls = [stuck[i % 2](no_request()) for i in range(checks)]
             await wait_until_async(lambda: sum(c.done() for c in calls) >= checks - OTHER_CALLS, 20)
             refused = [c for c in calls if c.done()]
             assert len(refused) == checks - OTHER_CALLS
@@ -238,6 +243,11 @@ def test_health_checks_that_send_no_request_cannot_take_the_services_places(serv
             assert checked.status == health_pb2.HealthCheckResponse.SERVING
 
     asyncio.run(scenario())
+
+
+def own_channel(server: ServerProcess) -> grpc.aio.Channel:
+    """A channel with a connection of its own (gRPC shares one between channels alike)."""
+    return grpc.aio.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout: float) -> None:

@@ -222,3 +222,21 @@ def test_a_frozen_front_is_killed_and_started_again(model_dir: Path) -> None:
             vector = client.embed([SENTENCE])
         assert np.dot(vector[0], Reference(model_dir).embed([SENTENCE])[0]) >= 0.99999
         assert server.proc.poll() is None
+
+
+def test_a_front_started_again_beside_a_serving_one_leaves_the_server_ready() -> None:
+    """embed_ready is the most over the fronts: the one starting again writes its own 0 until it
+    serves, which the least over them read as the server not ready, 0.25-0.55 s at every front
+    restart, while the other front served the port (an acceptance pass)."""
+    with serving("--front-processes", "2") as server:
+        assert wait_for(lambda: len(server.front_pids()) == 2, timeout=60), server.front_pids()
+        assert sample(server, "embed_ready") == 1
+        dead = server.front_pids()[0]
+        os.kill(dead, signal.SIGKILL)
+        killed_at = time.monotonic()
+        readings = []
+        while not served_again(server, 1, timeout=0.02) and time.monotonic() - killed_at < 60:
+            readings.append(sample(server, "embed_ready"))
+        assert served_again(server, 1), "".join(server.lines[-10:])
+        readings.append(sample(server, "embed_ready"))
+        assert len(readings) > 10 and set(readings) == {1.0}, readings
