@@ -13,6 +13,7 @@ The padding ratio is a PromQL expression over two counters:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -380,7 +381,8 @@ def serve_metrics(
         pass
 
     Server.address_family, addr = exposition._get_best_family(host or "0.0.0.0", int(port))
-    Server.slots = threading.BoundedSemaphore(max_connections)
+    Server.max_connections, Server.lock = max_connections, threading.Lock()
+    Server.open, Server.reading = 0, {}
     Handler = type("Handler", (_MetricsHandler,), {"timeout": timeout_s})
     server = make_server(addr, int(port), exposition.make_wsgi_app(registry), Server, Handler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
@@ -388,25 +390,48 @@ def serve_metrics(
 
 
 class _MetricsServer(exposition.ThreadingWSGIServer):
-    """prometheus_client's server (a daemon thread per connection), at most `slots` connections at once."""
+    """prometheus_client's server (a daemon thread per connection), at most `max_connections` at once.
+    At the bound, a new connection takes the place of the oldest one still sending its request (its
+    socket shut, its thread ends), and is refused only when every one has sent its request: 32 silent
+    connections, opened again every 5 s, otherwise had every scrape refused (an acceptance pass)."""
 
-    slots: threading.BoundedSemaphore
+    max_connections: int
+    lock: threading.Lock
+    open: int  # connections with a thread
+    reading: dict[Any, None]  # of those, the ones still sending their request, oldest first
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        with self.lock:
+            if self.open >= self.max_connections:
+                oldest = next(iter(self.reading), None)
+                if oldest is None:
+                    self.shutdown_request(request)
+                    return
+                del self.reading[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self.open += 1
+            self.reading[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()  # no thread started to release it
+            self._ended(request)  # no thread started to end it
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._ended(request)
+
+    def request_read(self, request: Any) -> None:
+        with self.lock:
+            self.reading.pop(request, None)
+
+    def _ended(self, request: Any) -> None:
+        with self.lock:
+            self.open -= 1
+            self.reading.pop(request, None)
 
 
 class _MetricsHandler(WSGIRequestHandler):
@@ -434,6 +459,7 @@ class _MetricsHandler(WSGIRequestHandler):
                 return
             if not self.parse_request():  # an error answer was sent
                 return
+            self.server.request_read(self.request)  # type: ignore[attr-defined]
             self.connection.settimeout(self.timeout)
             streams = (self.rfile, self.wfile, self.get_stderr())
             answer = _Answer(*streams, self.get_environ(), multithread=False)  # type: ignore[arg-type]
