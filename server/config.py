@@ -524,12 +524,8 @@ def requested_log_format(argv: Sequence[str] | None, environ: Mapping[str, str])
     """The log format asked for (`--log-format`, else its variable, else text), read leniently before
     the settings are, so that a setting refused then is reported in it: a JSON log pipeline got one
     plain line for a mistyped flag."""
-    parser = _Parser(add_help=False)
-    parser.add_argument("--log-format", default=environ.get(env_name("log_format"), "text"))
-    try:
-        return str(parser.parse_known_args(argv)[0].log_format)
-    except ConfigError:  # `--log-format` without its value: refused with the rest, in the default
-        return environ.get(env_name("log_format"), "text")
+    given = _flags_given(argv, ("log_format",))["log_format"]
+    return given if given is not None else environ.get(env_name("log_format"), "text")
 
 
 def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> ServerConfig:
@@ -557,15 +553,21 @@ def load_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Serve
 def _auth_flags_given_empty(argv: Sequence[str] | None) -> list[str]:
     """The authentication settings given as flags with an empty value (argparse's own parse gives their
     defaults too, so it cannot tell)."""
+    given = _flags_given(argv, ("auth_token", "auth_token_file"))
+    return [name for name, value in given.items() if value == ""]
+
+
+def _flags_given(argv: Sequence[str] | None, names: Sequence[str]) -> dict[str, str | None]:
+    """These settings' flags as given in `argv`, read leniently (None: not given; every other flag is
+    let be); all None where one is given without its value, which the full parse refuses."""
     parser = _Parser(add_help=False)
-    names = ("auth_token", "auth_token_file")
     for name in names:
         parser.add_argument("--" + name.replace("_", "-"), default=None)
     try:
         given = vars(parser.parse_known_args(argv)[0])
-    except ConfigError:  # a flag without its value: refused already by the full parse
-        return []
-    return [name for name in names if given[name] == ""]
+    except ConfigError:
+        return dict.fromkeys(names)
+    return {name: given[name] for name in names}
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:

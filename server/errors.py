@@ -20,9 +20,14 @@ ServiceError
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
+
+T = TypeVar("T")
 
 # google.rpc.ErrorInfo's domain: the service whose reasons these are.
 ERROR_DOMAIN = "minilm-embed"
@@ -130,3 +135,21 @@ def internal() -> ServiceError:
     """What a caller is told of a bug (the details are in the server's log): INTERNAL, reason
     INTERNAL_ERROR. The fronts, gRPC's and HTTP's, and the engine all answer it so."""
     return BackendFailure(INTERNAL_MESSAGE, "INTERNAL_ERROR")
+
+
+async def one_request(requests: AsyncIterator[T], timeout_s: float, method: str, since: str) -> T:
+    """A unary call's one message, read from the call's request stream within `timeout_s` of `since`
+    (MessageLate after; InvalidInput NO_REQUEST for a call that ended without it): a call that never
+    sends it must not hold its place for good."""
+    try:
+        request = await asyncio.wait_for(anext(aiter(requests), None), timeout_s)
+    except TimeoutError:
+        raise MessageLate(
+            f"the {method} call's request had not all arrived {timeout_s:g} s after {since}, the limit "
+            f"message_timeout_s={timeout_s:g}",
+            setting="message_timeout_s",
+            limit=timeout_s,
+        ) from None
+    if request is None:
+        raise InvalidInput(f"the {method} call ended without its request", "NO_REQUEST")
+    return request

@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from minilm_embed.proto.embedding.v1 import SERVICE_NAME
+from minilm_embed.server.details import details
+from minilm_embed.server.errors import InvalidInput, MessageLate, one_request
 
 __all__ = ["SERVICE_NAME", "HealthServicer", "StreamLimit", "new_health", "set_serving"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -110,8 +112,7 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             unary = handler.unary_unary
 
             async def check(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                with self._place(long_lived):
-                    await self._refuse_past_limits(context, long_lived)
+                async with self._admitted(context, long_lived):
                     return await unary(await self._first(requests, context, details.method), context)
 
             return grpc.stream_unary_rpc_method_handler(check, *codecs)
@@ -119,8 +120,7 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             watch = handler.unary_stream
 
             async def watched(requests: Any, context: grpc.aio.ServicerContext) -> None:
-                with self._place(long_lived):
-                    await self._refuse_past_limits(context, long_lived)
+                async with self._admitted(context, long_lived):
                     await watch(await self._first(requests, context, details.method), context)
 
             return grpc.stream_stream_rpc_method_handler(watched, *codecs)
@@ -128,8 +128,7 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             stream = handler.stream_stream
 
             async def streamed(requests: Any, context: grpc.aio.ServicerContext) -> None:
-                with self._place(long_lived):
-                    await self._refuse_past_limits(context, long_lived)
+                async with self._admitted(context, long_lived):
                     answers = stream(requests, context)
                     if inspect.isasyncgen(answers):
                         async for answer in answers:
@@ -140,40 +139,32 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(streamed, *codecs)
         return handler
 
-    @contextlib.contextmanager
-    def _place(self, long_lived: bool) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def _admitted(self, context: grpc.aio.ServicerContext, long_lived: bool) -> AsyncIterator[None]:
+        """Counted open for the call's life; refused at once past either limit."""
         self.open += 1
         self.open_long_lived += long_lived
         try:
+            if long_lived and self.open_long_lived > self.long_lived:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.long_lived} health Watch and reflection streams are open on this front "
+                    "process, its most: close one, or use health Check",
+                )
+            if self.open > self.limit:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.limit} health and reflection calls are open on this front process, its most: "
+                    "retry in a moment",
+                )
             yield
         finally:
             self.open -= 1
             self.open_long_lived -= long_lived
 
-    async def _refuse_past_limits(self, context: grpc.aio.ServicerContext, long_lived: bool) -> None:
-        if long_lived and self.open_long_lived > self.long_lived:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.long_lived} health Watch and reflection streams are open on this front process, "
-                "its most: close one, or use health Check",
-            )
-        if self.open > self.limit:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.limit} health and reflection calls are open on this front process, its most: "
-                "retry in a moment",
-            )
-
     async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
-        """The call's one request, within message_timeout_s."""
+        """The call's one request, within message_timeout_s of its start, as the service's calls'."""
         try:
-            request = await asyncio.wait_for(anext(aiter(requests), None), self.message_timeout_s)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the {method} call's request had not arrived {self.message_timeout_s:g} s after it began "
-                "(message_timeout_s)",
-            )
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} call sent no request")
-        return request
+            return await one_request(requests, self.message_timeout_s, method, "it began")
+        except (InvalidInput, MessageLate) as e:
+            await context.abort(e.code, str(e), details(e))

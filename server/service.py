@@ -30,7 +30,15 @@ from minilm_embed.server import logs
 from minilm_embed.server.budget import Hold, Places
 from minilm_embed.server.details import Trailing, details
 from minilm_embed.server.embedder import Embedded, Embedder, EmbedJob
-from minilm_embed.server.errors import InvalidInput, MessageLate, NotReady, Overloaded, ServiceError, internal
+from minilm_embed.server.errors import (
+    InvalidInput,
+    MessageLate,
+    NotReady,
+    Overloaded,
+    ServiceError,
+    internal,
+    one_request,
+)
 from minilm_embed.server.metrics import Metrics, size_class
 from minilm_embed.server.tokenization import inputs_field
 
@@ -406,19 +414,11 @@ def _unary(
     async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Message:
         await service.take_place(method, context)
         try:
-            # The call's one message, read once it has a place, within message_timeout_s: a call
-            # that never sends it must not hold the place for good.
-            data = await asyncio.wait_for(anext(aiter(requests), None), service.message_timeout_s)
-            if data is not None:
-                return await behaviour(data, context)
-            error: ServiceError = InvalidInput(f"the {method} call ended without its request", "NO_REQUEST")
-        except TimeoutError:
-            error = MessageLate(
-                f"the {method} call's request had not all arrived {service.message_timeout_s:g} s after it "
-                f"had its place, the limit message_timeout_s={service.message_timeout_s:g}",
-                setting="message_timeout_s",
-                limit=service.message_timeout_s,
-            )
+            data = await one_request(requests, service.message_timeout_s, method, "it had its place")
+        except (InvalidInput, MessageLate) as e:
+            error: ServiceError = e
+        else:
+            return await behaviour(data, context)
         finally:
             service.places.give_back()
         await context.abort(error.code, str(error), service._request_id(context) + details(error))

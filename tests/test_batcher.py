@@ -504,50 +504,38 @@ def test_a_request_given_up_while_queued_is_observed_once_with_its_wait():
     was observed). A request that ends with inputs still queued is observed then, and not again."""
     model = FakeModel(blocked=True)
     batcher = new_batcher(model)
-
-    async def scenario():
-        batcher.start()
-        try:
-            running = asyncio.create_task(submit(batcher, [[1, 5]]))
-            await wait_until(lambda: model.batches)
-            gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5]]))
-            await wait_until(lambda: batcher.depth == 2)
-            await asyncio.sleep(0.3)
-            gone.cancel()
-            await asyncio.sleep(0)
-            model.gate.set()
-            await running
-            await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
-        finally:
-            await batcher.stop()
-
-    run(scenario)
+    run(lambda: cancel_while_queued(batcher, model, queued_s=0.3, then=False))
     assert sample(batcher, "embed_queue_wait_seconds_count") == 2
     assert sample(batcher, "embed_queue_wait_seconds_bucket", le="0.25") == 1  # the answered one
     assert sample(batcher, "embed_queue_wait_seconds_sum") >= 0.3
 
 
+async def cancel_while_queued(
+    batcher: Batcher, model: FakeModel, queued_s: float = 0.0, then: bool = True
+) -> Done | None:
+    """Input 1 computing (the model held), a request of inputs 2 and 3 cancelled after `queued_s` in
+    the queue, then the model let go; with `then`, the answer to input 4, submitted after."""
+    batcher.start()
+    try:
+        running = asyncio.create_task(submit(batcher, [[1, 5]]))
+        await wait_until(lambda: model.batches)
+        gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5]]))
+        await wait_until(lambda: batcher.depth == 2)
+        await asyncio.sleep(queued_s)
+        gone.cancel()
+        await asyncio.sleep(0)
+        model.gate.set()
+        await running
+        await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
+        return await submit(batcher, [[4, 5]]) if then else None
+    finally:
+        await batcher.stop()
+
+
 def test_inputs_of_a_cancelled_caller_are_dropped_before_compute():
     model = FakeModel(blocked=True)
     batcher = new_batcher(model)
-
-    async def scenario():
-        batcher.start()
-        try:
-            running = asyncio.create_task(submit(batcher, [[1, 5]]))
-            await wait_until(lambda: model.batches)
-            gone = asyncio.create_task(submit(batcher, [[2, 5], [3, 5]]))
-            await wait_until(lambda: batcher.depth == 2)
-            gone.cancel()
-            await asyncio.sleep(0)
-            model.gate.set()
-            await running
-            await wait_until(lambda: sample(batcher, "embed_inputs_dropped_total", reason="cancelled") == 2)
-            return await submit(batcher, [[4, 5]])
-        finally:
-            await batcher.stop()
-
-    assert first_ids(run(scenario)) == [4]
+    assert first_ids(run(lambda: cancel_while_queued(batcher, model))) == [4]
     assert not {2, 3} & set(model.first_ids_seen())
     assert sample(batcher, "embed_queue_depth") == 0
 
