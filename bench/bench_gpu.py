@@ -459,13 +459,16 @@ def served(
                     cpu_before = tree_cpu_seconds(server.proc.pid)
                     counters = engine_counters(server.metrics_port)
                     row = load_row(server.address, items, concurrency, per_request, seconds, processes)
-                    engine = engine_figures(counters, engine_counters(server.metrics_port), seconds)
+                    # Per second of the span the load ran (a level outlasts `seconds` by its last
+                    # answers: on a loaded CPU by many seconds, which read as a model busy 558%).
+                    span = row.span_s or seconds
+                    engine = engine_figures(counters, engine_counters(server.metrics_port), span)
                     # Cores busy: the server's (fronts and engine; includes the load's connecting
                     # and the few idle seconds before it starts) and the load generator's.
                     server_cpu = tree_cpu_seconds(server.proc.pid) - cpu_before
                     entry = dict(
                         asdict(row), fronts=n, workload=name, gpu_mib=gpu_memory_mib(server.proc.pid),
-                        server_cores=server_cpu / seconds, client_cores=row.client_cpu_s / seconds,
+                        server_cores=server_cpu / span, client_cores=row.client_cpu_s / span,
                         cores=os.cpu_count(), variant=variant, **engine,
                     )  # fmt: skip
                     results.append(entry)

@@ -93,6 +93,7 @@ class Row:
     runs: list[float] | None = None  # tokens/s of every repeat; the row is the best one
     client_cpu_s: float = 0.0  # the load generator's own CPU time while it ran (every process)
     start_spread_s: float = 0.0  # between the first and the last load process starting their callers
+    span_s: float = 0.0  # the rates' window: from the first caller's start to the last one's end
 
 
 def sentences(data_dir: Path | None) -> list[str]:
@@ -154,7 +155,7 @@ def measured_row(
         totals["inputs"] / elapsed, totals["tokens"] / elapsed,
         float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
         ", ".join(f"{k} {v}" for k, v in codes.most_common()),
-        client_cpu_s=totals.get("cpu_s", 0.0),
+        client_cpu_s=totals.get("cpu_s", 0.0), span_s=elapsed,
     )  # fmt: skip
 
 
