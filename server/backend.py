@@ -195,7 +195,13 @@ def bucket_warm_shapes(max_rows: int, max_tokens: int, longest: int) -> list[tup
     bucket with the most tokens: what warms the CUDA path's shapes and memory arena to its
     high-water mark. On an H100, random batches alone stepped the fp16 graph's memory up 114 MiB at
     the 6,750th; after every bucket had run at its largest shape, 7,750 random batches moved it
-    2 MiB."""
+    2 MiB.
+
+    Largest first: with the arena growing by what a run asks for, each smaller batch then runs in
+    memory the larger ones freed. Smallest first (until 2026-11-29), each larger batch asked for
+    more and the fragments of the earlier ones stayed unused: on an H200, at the auto limits of
+    1,024 rows and 131,072 tokens, the warm-up overran the 4 GiB arena at 832 rows x 128 positions
+    and the engine never started."""
     most: dict[tuple[int, int], tuple[int, int]] = {}
     for rows in range(1, max_rows + 1):
         # For this row count, each bucket's longest rows the limits allow (a bucket's end, or less).
@@ -205,7 +211,8 @@ def bucket_warm_shapes(max_rows: int, max_tokens: int, longest: int) -> list[tup
                 best_rows, best_length = most.get(key, (0, 0))
                 if rows * length >= best_rows * best_length:  # ties: the more rows
                     most[key] = (rows, length)
-    return [most[key] for key in sorted(most, key=lambda k: (k[1], k[0]))]  # by length, then rows
+    # By tokens, then length, then rows, each descending.
+    return sorted(most.values(), key=lambda s: (s[0] * s[1], s[1], s[0]), reverse=True)
 
 
 class BoundShape:

@@ -169,6 +169,10 @@ def test_the_cuda_warm_up_runs_every_bucket_a_batch_can_reach_at_its_most_tokens
         for n in range(1, min(longest, max_tokens // r) + 1):
             most[bucket(r, n)] = max(most.get(bucket(r, n), 0), r * n)
     assert warmed == most
+    # Largest first, so each batch runs in arena memory a larger one freed (kSameAsRequested):
+    # smallest first overran the 4 GiB arena at the auto CUDA limits on an H200.
+    tokens = [r * n for r, n in shapes]
+    assert tokens == sorted(tokens, reverse=True)
 
 
 class Recording:
