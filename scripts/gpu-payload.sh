@@ -26,12 +26,16 @@ mkdir -p "$OUT/wheels" "$OUT/pay/site" "$OUT/pay/data" "$OUT/pay/stubs"
 pins=$($PY - <<'EOF'
 import importlib.metadata as md
 import re
+import tomllib
 
-roots = (
-    "grpcio grpcio-health-checking grpcio-reflection grpcio-status protobuf pyzmq starlette uvicorn orjson "
-    "prometheus-client tokenizers scipy sentence-transformers pytest pytest-timeout onnx"
-).split()
-host = {"torch", "numpy", "triton", "setuptools", "onnxruntime"}
+# The server's own requirements from pyproject.toml (a hand list here once missed setproctitle, and
+# every server on the GPU host failed to start), and what the benchmarks and the GPU tests import.
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+roots = project["dependencies"] + project["optional-dependencies"]["server"]
+roots = [re.match(r"[A-Za-z0-9_.\-]+", r).group(0) for r in roots]
+roots += "scipy sentence-transformers pytest pytest-timeout onnx aiohttp".split()
+host = {"torch", "numpy", "triton", "setuptools", "onnxruntime", "onnxruntime-gpu"}
 seen: dict[str, str] = {}
 todo = list(roots)
 while todo:
