@@ -95,6 +95,27 @@ def cpu_warm_shapes(max_rows: int, max_tokens: int, longest: int) -> list[tuple[
     )
 
 
+class WarmUpError(RuntimeError):
+    """A warm-up batch failed: the batch limits ask more than a model instance can run (on CUDA, most
+    likely more than its bounded memory arena holds). The message is the one line to show."""
+
+
+def warm_up_failed(backend: Backend, config: ServerConfig, rows: int, tokens: int, error: Exception) -> str:
+    # ORT's message is one long line (the node, a source path, a C++ signature) whose end says what
+    # ran out: "Available memory of 311442688 is smaller than requested bytes of 327155712".
+    reason = " ".join(str(error).split()) or type(error).__name__
+    arena = reason.rfind("Available memory of")
+    if arena >= 0:
+        reason = f"the CUDA memory arena is full ({reason[arena:]})"
+    elif len(reason) > 300:
+        reason = "..." + reason[-300:]
+    return (
+        f"the warm-up batch of {rows} rows x {tokens} tokens failed on {backend.provider}: {reason}; "
+        f"the batch limits (--max-batch-size {config.max_batch_size}, --max-batch-tokens "
+        f"{config.max_batch_tokens}) ask more than a model instance can run here: lower them"
+    )
+
+
 def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor) -> float:
     """Run the largest batches the limits allow on every instance at once, on `pool`: the batcher's
     own model threads.
@@ -119,7 +140,10 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
         with backend.instance() as run:  # held throughout: each thread warms an instance of its own
             for batch, length in shapes:
                 ids = np.full((batch, length), 1000, dtype=np.int64)
-                run(ids, np.full(batch, length, dtype=np.int64))
+                try:
+                    run(ids, np.full(batch, length, dtype=np.int64))
+                except Exception as e:
+                    raise WarmUpError(warm_up_failed(backend, config, batch, length, e)) from e
 
     # Submitted together to an idle pool of `instances` threads: one call on each thread.
     for done in [pool.submit(one_instance) for _ in range(backend.instances)]:
@@ -342,5 +366,9 @@ def run_engine(
 
         await engine.serve(address, stop, ready)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except WarmUpError as e:  # before ready: reported by the supervisor as one line, exit 2
+        events.send(("error", str(e)))
+        raise SystemExit(2) from None
     log.info("engine stopped")

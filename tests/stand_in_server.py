@@ -4,6 +4,8 @@ run that is not the production one. Nothing in `minilm-embed-serve` can start th
     python -m tests.stand_in_server instant <server flags>      # an instant stand-in model (bench/)
     python -m tests.stand_in_server fault TEXT <server flags>   # the real model; a batch holding TEXT fails
     python -m tests.stand_in_server slow-start S <server flags> # the real model, loaded S seconds late
+    python -m tests.stand_in_server warm-oom <server flags>     # the real model; its warm-up runs out
+                                                                # of memory as ORT's CUDA arena does
 
 The fault server also holds (sleeps HOLD_S in) any batch holding HOLD_TEXT: a test that needs inputs
 to wait in the queue first keeps a model instance busy with it (an idle server runs a lone input at
@@ -97,6 +99,30 @@ def slow_backend(seconds: float, config: ServerConfig, repo: ModelRepository) ->
     return onnx_backend(config, repo)
 
 
+# ORT's error when a run asks its bounded CUDA arena for more than is left (an H200, 2026-11-29).
+ARENA_FULL = (
+    "Error in execution: Non-zero status code returned while running Gemm node. "
+    "Name:'/encoder/layers.0/ffn/up/Gemm' Status Message: /onnxruntime_src/onnxruntime/core/framework/"
+    "bfc_arena.cc:360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) "
+    "Available memory of 311442688 is smaller than requested bytes of 327155712"
+)
+
+
+class ArenaFullBackend(FaultyBackend):
+    """The real backend whose warm-up's first batch fails as ORT's full CUDA arena does."""
+
+    @contextlib.contextmanager
+    def instance(self) -> Iterator[RunFn]:
+        def run(ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            raise RuntimeError(ARENA_FULL)
+
+        yield run
+
+
+def arena_full_backend(config: ServerConfig, repo: ModelRepository) -> Backend:
+    return ArenaFullBackend(onnx_backend(config, repo), [], [])
+
+
 if __name__ == "__main__":
     kind, rest = sys.argv[1], sys.argv[2:]
     if kind == "instant":
@@ -105,4 +131,6 @@ if __name__ == "__main__":
         sys.exit(main(rest[1:], functools.partial(faulty_backend, rest[0])))
     if kind == "slow-start":
         sys.exit(main(rest[1:], functools.partial(slow_backend, float(rest[0]))))
+    if kind == "warm-oom":
+        sys.exit(main(rest, arena_full_backend))
     sys.exit(f"usage: {__doc__}")

@@ -27,7 +27,8 @@ from minilm_embed.server.backend import (
     plan_instances,
 )
 from minilm_embed.server.config import ServerConfig
-from minilm_embed.server.engine import cpu_warm_shapes, warm_up
+from minilm_embed.server.engine import WarmUpError, cpu_warm_shapes, warm_up
+from tests.stand_in_server import ARENA_FULL
 
 
 @pytest.mark.parametrize(
@@ -221,6 +222,28 @@ def test_the_engine_warms_a_cuda_backend_through_every_bucket_and_a_cpu_one_with
     # 7 row buckets (1-64) x 7 length buckets, less rows 33-64 past 128 tokens (33 x 129 > 4,096)
     assert len({bucket(*shape) for shape in cuda.shapes}) == 7 * 7 - 2
     assert cpu.shapes == [(16, 256), (64, 64)]
+
+
+def test_a_warm_up_batch_that_fails_names_its_shape_the_limits_and_what_ran_out():
+    class Full(Recording):
+        def _run_on(self, i, ids, lengths):
+            raise RuntimeError(ARENA_FULL)
+
+    config = ServerConfig(max_batch_size=1024, max_batch_tokens=131072)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(WarmUpError) as caught:
+        warm_up(Full(CUDA), config, 256, pool)
+    message = str(caught.value)
+    rows, length = bucket_warm_shapes(1024, 131072, 256)[0]  # the largest, run first
+    assert message.startswith(f"the warm-up batch of {rows} rows x {length} tokens failed on {CUDA}: ")
+    assert (
+        ": the CUDA memory arena is full (Available memory of 311442688 is smaller than requested "
+        "bytes of 327155712); " in message
+    )
+    assert message.endswith(
+        "the batch limits (--max-batch-size 1024, --max-batch-tokens 131072) ask more than a model "
+        "instance can run here: lower them"
+    )
+    assert "\n" not in message and len(message) < 600
 
 
 @pytest.mark.parametrize(
