@@ -21,13 +21,19 @@ as one (n, D) array per output, filled in place as its batches finish: no per-in
 
 Up to `workers` batches run at once, one per model instance: while one instance computes, another
 takes the next batch. On the CPU provider two one-thread instances outran one two-thread instance on
-the same two cores (no barrier between threads inside an op; see README, "Settings").
+the same two cores (no barrier between threads inside an op; see README, "Settings"). With `ahead`,
+that many more batches are taken, padded and handed to a model thread while every instance computes,
+and wait there for the next free instance: the event loop's work for a batch (taking it, padding it,
+answering the one before) then overlaps the model's run instead of leaving it idle. On an H200 one
+CUDA instance ran 67% of the time at 557-row batches of sentences, 2.9 ms of host work a batch between
+runs of 5.9 ms (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -35,6 +41,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -321,6 +328,9 @@ class Batcher:
     metrics: Metrics
     pad_id: int = 0
     workers: int = 1  # batches in compute at once; `run` must be safe to call from that many threads
+    ahead: int = 0  # batches prepared beyond those, each waiting on a model thread for an instance
+    # One model instance held for a run (its wait for one not counted as the run's time); None: `run`.
+    instance: Callable[[], AbstractContextManager[RunFn]] | None = None
     # Told the queue depth and its tokens whenever they change, and `s_per_token` after each batch.
     on_depth: Callable[[int, int], None] = lambda depth, tokens: None
     on_pace: Callable[[float], None] = lambda s_per_token: None
@@ -332,8 +342,9 @@ class Batcher:
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _executor: ThreadPoolExecutor | None = None
-    _running: int = 0  # batches in compute now
-    _runs: dict[object, float] = field(default_factory=dict)  # model runs in compute -> when each began
+    _running: int = 0  # batches handed to a model thread, computing or waiting there for an instance
+    # Batches handed to a model thread -> [when its run began on an instance; inf while it waits for one].
+    _runs: dict[object, list[float]] = field(default_factory=dict)
     # Inputs waiting for their turn: those in the queue less those of requests already ended (their
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
@@ -352,12 +363,14 @@ class Batcher:
     def start(self) -> None:
         assert not self._tasks, "batcher already started"
         assert self.workers >= 1, f"workers must be at least 1, not {self.workers}"
-        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="model")
-        self._tasks = [asyncio.create_task(self._loop(), name=f"batcher-{i}") for i in range(self.workers)]
+        assert self.ahead >= 0 and (self.ahead == 0 or self.instance is not None), self.ahead
+        loops = self.workers + self.ahead
+        self._executor = ThreadPoolExecutor(max_workers=loops, thread_name_prefix="model")
+        self._tasks = [asyncio.create_task(self._loop(), name=f"batcher-{i}") for i in range(loops)]
 
     @property
     def executor(self) -> ThreadPoolExecutor:
-        """The threads batches run on (`workers` of them), e.g. to warm the model up on."""
+        """The threads batches run on (`workers` + `ahead` of them), e.g. to warm the model up on."""
         assert self._executor is not None, "batcher not started"
         return self._executor
 
@@ -576,10 +589,9 @@ class Batcher:
             return
         batch_runs = runs(batch)
         ids, lengths = pad(batch, self.pad_id, batch_runs)
-        started = time.monotonic()
         self._running += 1
         try:
-            normalised, pooled = await self._in_worker(ids, lengths)
+            (normalised, pooled), started, run_s = await self._in_worker(ids, lengths)
         except Exception:
             log.exception(
                 "a batch of %d inputs failed; retrying its inputs one by one",
@@ -591,7 +603,6 @@ class Batcher:
             return
         finally:
             self._running -= 1
-        run_s = time.monotonic() - started
         self._observe(batch, ids.size, int(lengths.sum()), started, run_s)
         self._paced(len(batch), int(lengths.sum()), run_s)
         self._resolve(batch_runs, normalised, pooled, started, run_s)
@@ -610,30 +621,42 @@ class Batcher:
             if request.abandoned:
                 continue
             ids, lengths = pad([entry], self.pad_id)
-            started = time.monotonic()
             try:
-                normalised, pooled = await self._in_worker(ids, lengths)
+                (normalised, pooled), started, run_s = await self._in_worker(ids, lengths)
             except Exception as e:  # its caller may have gone while this input ran: fail() checks
                 log.warning("input %d failed alone too: %r", entry[1], e, extra={"request_id": request.tag})
                 self._fail(request, BackendFailure(f"model run failed for this input: {type(e).__name__}"))
                 continue
-            run_s = time.monotonic() - started
             self._observe([entry], ids.size, ids.size, started, run_s)
             self._resolve(runs([entry]), normalised, pooled, started, run_s)
 
-    async def _in_worker(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    async def _in_worker(
+        self, ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float]:
+        """The batch's outputs, when its run began on an instance, and how long it ran there."""
         assert self._executor is not None, "batcher not started"
         loop = asyncio.get_running_loop()
-        key = object()
-        self._runs[key] = time.monotonic()
+        key, began = object(), [math.inf]
+        self._runs[key] = began
         try:
-            return await loop.run_in_executor(self._executor, self.run, ids, lengths)
+            return await loop.run_in_executor(self._executor, self._compute, began, ids, lengths)
         finally:
             del self._runs[key]
 
+    def _compute(
+        self, began: list[float], ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float]:
+        # On a model thread. The wait for an instance (a batch prepared ahead) is no part of the run.
+        with self.instance() if self.instance is not None else contextlib.nullcontext(self.run) as run:
+            began[0] = started = time.monotonic()
+            outputs = run(ids, lengths)
+            return outputs, started, time.monotonic() - started
+
     def longest_run_s(self) -> float:
-        """How long the oldest model run now computing has been at it (0: none is)."""
-        return time.monotonic() - min(self._runs.values()) if self._runs else 0.0
+        """How long the oldest model run now computing has been at it (0: none is; a batch waiting
+        for an instance is not computing)."""
+        oldest = min((began[0] for began in self._runs.values()), default=math.inf)
+        return time.monotonic() - oldest if oldest < math.inf else 0.0
 
     def _resolve(
         self, batch_runs: list[Run], normalised: np.ndarray, pooled: np.ndarray, started: float, run_s: float

@@ -7,6 +7,7 @@ Row i's vector is (first id, length): each result can be traced back to the inpu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -242,6 +243,81 @@ def test_two_workers_compute_two_batches_at_once_and_answers_keep_their_order():
     results = run(scenario)
     assert first_ids(results) == list(range(10, 16))
     assert len(model.batches) == 3
+
+
+class OneInstance:
+    """The fake model as one instance that a batch holds while it runs (as OnnxBackend's instance());
+    counts the runs at once, and how long a batch held it (`hold_s` each)."""
+
+    def __init__(self, model: FakeModel, hold_s: float = 0.0) -> None:
+        self.model, self.hold_s = model, hold_s
+        self.lock = threading.Lock()
+        self.at_once = self.most_at_once = 0
+
+    @contextlib.contextmanager
+    def instance(self):
+        with self.lock:
+            self.at_once += 1
+            self.most_at_once = max(self.most_at_once, self.at_once)
+            try:
+                yield self.run
+            finally:
+                self.at_once -= 1
+
+    def run(self, ids, lengths):
+        time.sleep(self.hold_s)
+        return self.model.run(ids, lengths)
+
+
+def batcher_ahead(one: OneInstance, ahead: int) -> Batcher:
+    limits = BatchLimits(64, 2, 0.0, 64)
+    return Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=ahead, instance=one.instance)
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_batch_is_prepared_ahead_while_the_one_instance_computes_and_waits_for_it(ahead):
+    # On CUDA (engine.BATCHES_AHEAD) the next batch is taken and padded while the instance computes,
+    # so the event loop's work overlaps the run: an H200's instance was idle a third of the time.
+    one = OneInstance(FakeModel(blocked=True))
+    batcher = batcher_ahead(one, ahead)
+    rows = [[10 + i, 5] for i in range(6)]
+
+    async def scenario():
+        batcher.start()
+        try:
+            answers = asyncio.create_task(submit(batcher, rows))
+            await wait_until(lambda: len(one.model.batches) == 1)
+            await asyncio.sleep(0.05)
+            assert len(one.model.batches) == 1  # the prepared batch waits for the instance
+            assert batcher.depth == 4 - 2 * ahead  # taken from the queue: 2 rows a batch
+            one.model.gate.set()
+            return await answers
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    assert first_ids(results) == list(range(10, 16))
+    assert len(one.model.batches) == 3 and one.most_at_once == 1
+
+
+def test_a_prepared_batchs_wait_for_the_instance_is_not_counted_as_its_run():
+    # The run time feeds the model-run histogram, the pace a full queue's retry hint is told from,
+    # and the hung-run watchdog: a batch waiting its turn must not read as computing.
+    one = OneInstance(FakeModel(), hold_s=0.2)
+    batcher = batcher_ahead(one, ahead=1)
+
+    async def scenario():
+        batcher.start()
+        try:
+            answers = asyncio.create_task(submit(batcher, [[10 + i, 5] for i in range(4)]))
+            return await answers
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert sample(batcher, "embed_model_run_duration_seconds_count") == 2
+    # Each held the instance 0.2 s; counted from its hand-over, the second would read ~0.4 s.
+    assert 0.4 <= sample(batcher, "embed_model_run_duration_seconds_sum") < 0.55
 
 
 def test_padding_matches_the_lengths_given_to_the_model():
