@@ -22,11 +22,11 @@ as one (n, D) array per output, filled in place as its batches finish: no per-in
 Up to `workers` batches run at once, one per model instance: while one instance computes, another
 takes the next batch. On the CPU provider two one-thread instances outran one two-thread instance on
 the same two cores (no barrier between threads inside an op; see README, "Settings"). With `ahead`,
-that many more batches are taken, padded and handed to a model thread while every instance computes,
-and wait there for the next free instance: the event loop's work for a batch (taking it, padding it,
-answering the one before) then overlaps the model's run instead of leaving it idle. On an H200 one
-CUDA instance ran 67% of the time at 557-row batches of sentences, 2.9 ms of host work a batch between
-runs of 5.9 ms (docs/gpu.md).
+that many more batches are taken (when a full batch waits), padded and handed to a model thread
+while every instance computes, and wait there for the next free instance: the event loop's work for
+a batch (taking it, padding it, answering the one before) then overlaps the model's run instead of
+leaving it idle. On an H200 one CUDA instance ran 67% of the time at 557-row batches of sentences,
+2.9 ms of host work a batch between runs of 5.9 ms (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -510,12 +510,20 @@ class Batcher:
         while another batch is computing (its inputs arrive meanwhile). Interactive inputs batch
         among themselves, so while any wait it is their count that must fill a batch: a bulk backlog
         behind them does not send them off alone.
+
+        A batch prepared ahead (while every instance computes) is taken only when a full one waits:
+        a part batch waits for an instance to come free, gathering what arrives meanwhile, as it
+        would without `ahead`.
         """
         while not self._queue:
             self._wakeup.clear()
             await self._wakeup.wait()
         flush_at = self._queue[0][0].enqueued + self.limits.max_queue_delay_s
         while (self._interactive or len(self._queue)) < self.limits.max_batch_size and self._running:
+            if self._running >= self.workers:  # every instance spoken for: only with `ahead`
+                self._wakeup.clear()
+                await self._wakeup.wait()  # more inputs, or a run done
+                continue
             remaining = flush_at - time.monotonic()
             if remaining <= 0:
                 return
@@ -603,6 +611,7 @@ class Batcher:
             return
         finally:
             self._running -= 1
+            self._wakeup.set()  # an instance free: a part batch waiting for one (`ahead`) goes
         self._observe(batch, ids.size, int(lengths.sum()), started, run_s)
         self._paced(len(batch), int(lengths.sum()), run_s)
         self._resolve(batch_runs, normalised, pooled, started, run_s)

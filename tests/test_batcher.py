@@ -300,6 +300,34 @@ def test_a_batch_is_prepared_ahead_while_the_one_instance_computes_and_waits_for
     assert len(one.model.batches) == 3 and one.most_at_once == 1
 
 
+def test_a_part_batch_is_not_prepared_ahead_but_gathers_what_arrives_while_the_instance_computes():
+    # Prepared early, a part batch would hold only what came before it, leaving what arrives during
+    # the run to a batch of its own: more, smaller runs at a moderate load.
+    one = OneInstance(FakeModel(blocked=True))
+    limits = BatchLimits(64, 8, 0.0, 64)
+    batcher = Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=1, instance=one.instance)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[10, 5]]))
+            await wait_until(lambda: len(one.model.batches) == 1)  # a lone input runs at once
+            later = [asyncio.create_task(submit(batcher, [[11 + i, 5]])) for i in range(3)]
+            await asyncio.sleep(0.05)
+            assert batcher.depth == 3  # not taken: no full batch waits
+            later += [asyncio.create_task(submit(batcher, [[14 + i, 5]])) for i in range(2)]
+            await asyncio.sleep(0.05)
+            assert batcher.depth == 5
+            one.model.gate.set()
+            return [await first] + [await answer for answer in later]
+        finally:
+            await batcher.stop()
+
+    results = run(scenario)
+    assert [first_ids(r) for r in results] == [[10 + i] for i in range(6)]
+    assert [len(ids) for ids, _ in one.model.batches] == [1, 5]
+
+
 def test_a_prepared_batchs_wait_for_the_instance_is_not_counted_as_its_run():
     # The run time feeds the model-run histogram, the pace a full queue's retry hint is told from,
     # and the hung-run watchdog: a batch waiting its turn must not read as computing.
