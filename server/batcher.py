@@ -511,9 +511,9 @@ class Batcher:
         among themselves, so while any wait it is their count that must fill a batch: a bulk backlog
         behind them does not send them off alone.
 
-        A batch prepared ahead (while every instance computes) is taken only when a full one waits:
-        a part batch waits for an instance to come free, gathering what arrives meanwhile, as it
-        would without `ahead`.
+        A batch prepared ahead (while every instance computes) is taken only when a full one waits,
+        by its inputs or by its tokens: a part batch waits for an instance to come free, gathering
+        what arrives meanwhile, as it would without `ahead`.
         """
         while not self._queue:
             self._wakeup.clear()
@@ -521,6 +521,11 @@ class Batcher:
         flush_at = self._queue[0][0].enqueued + self.limits.max_queue_delay_s
         while (self._interactive or len(self._queue)) < self.limits.max_batch_size and self._running:
             if self._running >= self.workers:  # every instance spoken for: only with `ahead`
+                # Full by its tokens too (a real token is at least a padded one); while both kinds
+                # wait, the tokens waiting are not one kind's, and the inputs alone tell.
+                one_kind = not self._interactive or not self._waiting_bulk
+                if one_kind and self._waiting_tokens >= self.limits.max_batch_tokens:
+                    return
                 self._wakeup.clear()
                 await self._wakeup.wait()  # more inputs, or a run done
                 continue
@@ -528,10 +533,9 @@ class Batcher:
             if remaining <= 0:
                 return
             self._wakeup.clear()
-            try:
+            # Timed out, looked at again: another worker may have taken the last free instance.
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
-                return
 
     def _drop_reason(self, request: Request, now: float) -> str:
         """Why a request's inputs are dropped before compute ("" if they are not): its caller went
@@ -599,7 +603,11 @@ class Batcher:
         ids, lengths = pad(batch, self.pad_id, batch_runs)
         self._running += 1
         try:
-            (normalised, pooled), started, run_s = await self._in_worker(ids, lengths)
+            ran = await self._in_worker(ids, lengths, self._still_wanted(batch_runs) if self.ahead else None)
+            if ran is None:
+                self._give_back(batch)
+                return
+            (normalised, pooled), started, run_s = ran
         except Exception:
             log.exception(
                 "a batch of %d inputs failed; retrying its inputs one by one",
@@ -631,7 +639,9 @@ class Batcher:
                 continue
             ids, lengths = pad([entry], self.pad_id)
             try:
-                (normalised, pooled), started, run_s = await self._in_worker(ids, lengths)
+                ran = await self._in_worker(ids, lengths)
+                assert ran is not None  # nothing asked whether it is still wanted
+                (normalised, pooled), started, run_s = ran
             except Exception as e:  # its caller may have gone while this input ran: fail() checks
                 log.warning("input %d failed alone too: %r", entry[1], e, extra={"request_id": request.tag})
                 self._fail(request, BackendFailure(f"model run failed for this input: {type(e).__name__}"))
@@ -639,24 +649,61 @@ class Batcher:
             self._observe([entry], ids.size, ids.size, started, run_s)
             self._resolve(runs([entry]), normalised, pooled, started, run_s)
 
+    def _still_wanted(self, batch_runs: list[Run]) -> Callable[[], bool]:
+        """Whether a batch prepared ahead should run once it has an instance: not a bulk batch while
+        interactive inputs wait (they would wait for its run too), nor one whose every request ended
+        or passed its deadline while it waited (computed for nobody, or answered late)."""
+        bulk = batch_runs[0][0].bulk
+
+        def wanted() -> bool:  # on the model thread: reads only
+            if bulk and self._waiting > self._waiting_bulk:
+                return False
+            now = time.monotonic()
+            return any(not r.abandoned and (r.deadline is None or now < r.deadline) for r, _, _ in batch_runs)
+
+        return wanted
+
+    def _give_back(self, batch: list[Entry]) -> None:
+        """A batch prepared ahead that did not run: back at the head of its kind's inputs, counted
+        as waiting again (those of ended requests as the queue's dead), to be taken anew."""
+        bulk = batch[0][0].bulk
+        at = self._interactive if bulk else 0
+        self._queue[at:at] = batch
+        if not bulk:
+            self._interactive += len(batch)
+        for request, i in batch:
+            if request.abandoned:
+                self._dead += 1
+                continue
+            request.queued += 1
+            request.queued_tokens += request.sizes[i]
+            self._waiting_tokens += request.sizes[i]
+            self._waiting += 1
+            self._waiting_bulk += 1 if bulk else 0
+        self.metrics.batches_given_back.inc()
+        self._depth_changed()
+
     async def _in_worker(
-        self, ids: np.ndarray, lengths: np.ndarray
-    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float]:
-        """The batch's outputs, when its run began on an instance, and how long it ran there."""
+        self, ids: np.ndarray, lengths: np.ndarray, wanted: Callable[[], bool] | None = None
+    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float] | None:
+        """The batch's outputs, when its run began on an instance, and how long it ran there; None
+        when `wanted`, asked once an instance is held, says it should not run."""
         assert self._executor is not None, "batcher not started"
         loop = asyncio.get_running_loop()
         key, began = object(), [math.inf]
         self._runs[key] = began
         try:
-            return await loop.run_in_executor(self._executor, self._compute, began, ids, lengths)
+            return await loop.run_in_executor(self._executor, self._compute, began, ids, lengths, wanted)
         finally:
             del self._runs[key]
 
     def _compute(
-        self, began: list[float], ids: np.ndarray, lengths: np.ndarray
-    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float]:
+        self, began: list[float], ids: np.ndarray, lengths: np.ndarray, wanted: Callable[[], bool] | None
+    ) -> tuple[tuple[np.ndarray, np.ndarray], float, float] | None:
         # On a model thread. The wait for an instance (a batch prepared ahead) is no part of the run.
         with self.instance() if self.instance is not None else contextlib.nullcontext(self.run) as run:
+            if wanted is not None and not wanted():
+                return None
             began[0] = started = time.monotonic()
             outputs = run(ids, lengths)
             return outputs, started, time.monotonic() - started

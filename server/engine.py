@@ -123,9 +123,12 @@ def warm_up_failed(backend: Backend, config: ServerConfig, rows: int, tokens: in
     )
 
 
-def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor) -> float:
+def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor, threads: int = 0) -> float:
     """Run the largest batches the limits allow on every instance at once, on `pool`: the batcher's
-    own model threads.
+    own model threads, `threads` of them (0: one per instance). Threads beyond the instances (the
+    batches prepared ahead, Batcher.ahead) each warm too, an instance held in turn: a model run
+    goes to whichever thread is free, and ORT's CUDA provider keeps per-thread state (its cuBLAS and
+    cuDNN handles) made at a thread's first run.
 
     First requests then do not pay for ORT's first-run allocations, and each instance's memory
     arena reaches the footprint of its largest batch before serving. Without the concurrent part the
@@ -152,8 +155,8 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
                 except Exception as e:
                     raise WarmUpError(warm_up_failed(backend, config, batch, length, e)) from e
 
-    # Submitted together to an idle pool of `instances` threads: one call on each thread.
-    for done in [pool.submit(one_instance) for _ in range(backend.instances)]:
+    # Submitted together to an idle pool of that many threads: one call on each thread.
+    for done in [pool.submit(one_instance) for _ in range(threads or backend.instances)]:
         done.result()
     return time.perf_counter() - started
 
@@ -175,13 +178,14 @@ class Engine:
     _watchdog: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
+        ahead = BATCHES_AHEAD.get(self.backend.provider, 0)
         self.batcher = Batcher(
             self.backend.run,
             batch_limits(self.config),
             self.metrics,
             workers=self.backend.instances,
-            ahead=BATCHES_AHEAD.get(self.backend.provider, 0),
-            instance=self.backend.instance,
+            ahead=ahead,
+            instance=self.backend.instance if ahead else None,  # else each run takes a free one
             on_depth=self.queue.publish_depth,
             on_pace=self.queue.publish_pace,
         )
@@ -197,7 +201,8 @@ class Engine:
         self.batcher.start()
         try:
             longest, pool = self.repo.max_input_tokens, self.batcher.executor
-            warm_s = await asyncio.to_thread(warm_up, self.backend, self.config, longest, pool)
+            threads = self.batcher.workers + self.batcher.ahead  # the pool's threads
+            warm_s = await asyncio.to_thread(warm_up, self.backend, self.config, longest, pool, threads)
             self.metrics.warmup_seconds.set(warm_s)
             b = self.backend
             self.facts = protocol.EngineFacts(

@@ -168,6 +168,12 @@ class Metrics:
         )
         self.truncated = Counter("embed_inputs_truncated", "Inputs cut at the maximum length.", registry=r)
         self.batch_failures = Counter("embed_batch_failures", "Batches whose model run failed.", registry=r)
+        self.batches_given_back = Counter(
+            "embed_batches_given_back",
+            "Batches prepared ahead that went back to the queue unrun (interactive inputs came first, "
+            "or none of their requests was still wanted).",
+            registry=r,
+        )
         # An info metric (value 1, facts in labels) as a gauge: Info has no multiprocess mode.
         self.model = Gauge(
             "embed_model_info",

@@ -287,6 +287,25 @@ def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_r
     assert bound.shapes[key] is shape and shape.device_ids.data_ptr() == buffer  # reused, not remade
 
 
+def test_the_warm_up_runs_on_every_model_thread_those_of_batches_prepared_ahead_too():
+    # A run goes to whichever model thread is free, and ORT's CUDA provider makes per-thread state at
+    # a thread's first run: the thread of the batch prepared ahead was left cold (a review).
+    config = ServerConfig(max_batch_size=64, max_batch_tokens=4096)
+    backend = Recording(CUDA, instances=1)
+    threads: list[set[int]] = [set()]
+    run_on = backend._run_on
+
+    def recording_thread(i, ids, lengths):
+        threads[0].add(threading.get_ident())
+        return run_on(i, ids, lengths)
+
+    backend._run_on = recording_thread
+    with ThreadPoolExecutor(2) as pool:
+        warm_up(backend, config, 256, pool, threads=2)
+        assert threads[0] == {t.ident for t in pool._threads}
+    assert backend.ran[0] == 2 * bucket_warm_shapes(64, 4096, 256)
+
+
 @pytest.mark.parametrize("provider", [CUDA, CPU])
 def test_the_warm_up_runs_every_shape_on_every_instance(provider):
     """Each warm-up thread holds an instance of its own: taking the next free instance per run, two

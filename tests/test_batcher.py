@@ -328,6 +328,125 @@ def test_a_part_batch_is_not_prepared_ahead_but_gathers_what_arrives_while_the_i
     assert [len(ids) for ids, _ in one.model.batches] == [1, 5]
 
 
+def test_a_batch_full_by_its_tokens_is_prepared_ahead_too():
+    # CUDA's auto limits fill by tokens first with long inputs (512 rows of 256 tokens); a review
+    # found only a count-full batch prepared ahead.
+    one = OneInstance(FakeModel(blocked=True))
+    limits = BatchLimits(20, 8, 0.0, 64)  # inputs of 5 tokens: 4 a batch by tokens, 8 by count
+    batcher = Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=1, instance=one.instance)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[10, 1, 1, 1, 1]]))
+            await wait_until(lambda: len(one.model.batches) == 1)
+            later = asyncio.create_task(submit(batcher, [[11 + i, 1, 1, 1, 1] for i in range(7)]))
+            await asyncio.sleep(0.05)
+            assert batcher.depth == 3  # a batch of 4 taken ahead
+            one.model.gate.set()
+            return await first, await later
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert [len(ids) for ids, _ in one.model.batches] == [1, 4, 3]
+
+
+class TwoInstances:
+    def __init__(self, model: FakeModel) -> None:
+        self.model = model
+        self.slots = threading.Semaphore(2)
+
+    @contextlib.contextmanager
+    def instance(self):
+        with self.slots:
+            yield self.model.run
+
+
+def test_with_two_instances_a_part_batch_is_not_prepared_ahead_either():
+    # Two workers waiting out the same queue delay: the second, timed out after the first had taken
+    # the last free instance, took a part batch ahead (a review).
+    model = FakeModel(blocked=True)
+    limits = BatchLimits(64, 4, 0.05, 64)
+    two = TwoInstances(model)
+    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2, ahead=1, instance=two.instance)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = batcher.enqueue(Rows.of([[10, 5]]))
+            await wait_until(lambda: len(model.batches) == 1)  # one instance computes
+            interactive = batcher.enqueue(Rows.of([[20, 5]]))
+            bulk = batcher.enqueue(Rows.of([[30, 5], [31, 5]]), bulk=True)
+            await asyncio.sleep(0.3)
+            assert batcher._running == 2 and batcher.depth == 2
+            more = batcher.enqueue(Rows.of([[32, 5]]), bulk=True)  # arrives during the runs
+            await asyncio.sleep(0.05)
+            model.gate.set()
+            for r in (first, interactive, bulk, more):
+                await r.future
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert [[int(i) for i in ids[:, 0]] for ids, _ in model.batches] == [[10], [20], [30, 31, 32]]
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_interactive_inputs_go_before_a_bulk_batch_prepared_ahead(ahead):
+    # The bulk batch prepared while the instance computed goes back to the queue once the instance
+    # is free, if interactive inputs came meanwhile: they wait for one run, as without it.
+    one = OneInstance(FakeModel(blocked=True))
+    batcher = batcher_ahead(one, ahead)
+
+    async def scenario():
+        batcher.start()
+        try:
+            bulk = batcher.enqueue(Rows.of([[10 + i, 5] for i in range(6)]), bulk=True)
+            await wait_until(lambda: len(one.model.batches) == 1)
+            await asyncio.sleep(0.05)
+            interactive = batcher.enqueue(Rows.of([[50, 5]]))
+            one.model.gate.set()
+            return first_ids(await bulk.future), first_ids(await interactive.future)
+        finally:
+            await batcher.stop()
+
+    assert run(scenario) == (list(range(10, 16)), [50])
+    assert [[int(i) for i in ids[:, 0]] for ids, _ in one.model.batches] == [
+        [10, 11],
+        [50],
+        [12, 13],
+        [14, 15],
+    ]
+    assert sample(batcher, "embed_batches_given_back_total") == ahead
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_request_whose_deadline_passes_while_its_batch_waits_for_the_instance_is_dropped(ahead):
+    one = OneInstance(FakeModel(blocked=True))
+    batcher = batcher_ahead(one, ahead)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first = asyncio.create_task(submit(batcher, [[10, 5], [11, 5]]))
+            await wait_until(lambda: len(one.model.batches) == 1)
+            late = asyncio.create_task(submit(batcher, [[20, 5], [21, 5]], deadline=time.monotonic() + 0.05))
+            await asyncio.sleep(0.15)  # its deadline passes while the first batch computes
+            one.model.gate.set()
+            await first
+            with pytest.raises(Dropped):
+                await late
+        finally:
+            await batcher.stop()
+
+    run(scenario)
+    assert len(one.model.batches) == 1  # not computed
+    assert sample(batcher, "embed_inputs_dropped_total", reason="deadline") == 2
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
 def test_a_prepared_batchs_wait_for_the_instance_is_not_counted_as_its_run():
     # The run time feeds the model-run histogram, the pace a full queue's retry hint is told from,
     # and the hung-run watchdog: a batch waiting its turn must not read as computing.

@@ -78,6 +78,7 @@ FAMILIES: dict[str, tuple[str, set[str]]] = {
     "embed_inputs_dropped": ("counter", {"reason"}),
     "embed_inputs_truncated": ("counter", set()),
     "embed_batch_failures": ("counter", set()),
+    "embed_batches_given_back": ("counter", set()),
     "embed_model_info": ("gauge", INFO_LABELS),
     "embed_model_load_seconds": ("gauge", set()),
     "embed_model_warmup_seconds": ("gauge", set()),
