@@ -351,6 +351,9 @@ class Batcher:
     _waiting: int = 0
     _waiting_bulk: int = 0  # of _waiting, the bulk inputs
     _waiting_tokens: int = 0  # the tokens of the _waiting inputs
+    # _waiting - _waiting_bulk, stored whole (_depth_changed) for a model thread to read: the two
+    # counters it could see half-updated (a bulk batch given back for no interactive input).
+    _interactive_waiting: int = 0
     # Inputs of ended requests still in the queue. Past queue_limit of them the queue is swept (at
     # the next enqueue), so it holds at most about twice the limit whatever callers do (submit and
     # cancel while every instance computes, for one).
@@ -483,6 +486,7 @@ class Batcher:
         self._dead = 0
 
     def _depth_changed(self) -> None:
+        self._interactive_waiting = self._waiting - self._waiting_bulk
         self.metrics.queue_depth.set(self._waiting)
         self.metrics.queue_interactive_depth.set(self._waiting - self._waiting_bulk)
         self.on_depth(self._waiting, self._waiting_tokens)
@@ -515,25 +519,29 @@ class Batcher:
         by its inputs or by its tokens: a part batch waits for an instance to come free, gathering
         what arrives meanwhile, as it would without `ahead`.
         """
-        while not self._queue:
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        flush_at = self._queue[0][0].enqueued + self.limits.max_queue_delay_s
-        while (self._interactive or len(self._queue)) < self.limits.max_batch_size and self._running:
+        while True:
+            while not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            if (self._interactive or len(self._queue)) >= self.limits.max_batch_size or not self._running:
+                return
             if self._running >= self.workers:  # every instance spoken for: only with `ahead`
                 # Full by its tokens too (a real token is at least a padded one); while both kinds
-                # wait, the tokens waiting are not one kind's, and the inputs alone tell.
+                # wait, the tokens waiting are not one kind's, and the inputs alone tell. A short
+                # head among long inputs may still make a part batch: choosing the batch here at
+                # each wake-up would cost ~0.9 ms of Python (a 1,024-input window).
                 one_kind = not self._interactive or not self._waiting_bulk
                 if one_kind and self._waiting_tokens >= self.limits.max_batch_tokens:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()  # more inputs, or a run done
                 continue
-            remaining = flush_at - time.monotonic()
+            # The head's own delay, looked at anew each time: another worker may have taken the
+            # head this one waited on, or the last free instance (a review).
+            remaining = self._queue[0][0].enqueued + self.limits.max_queue_delay_s - time.monotonic()
             if remaining <= 0:
                 return
             self._wakeup.clear()
-            # Timed out, looked at again: another worker may have taken the last free instance.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
 
@@ -656,7 +664,7 @@ class Batcher:
         bulk = batch_runs[0][0].bulk
 
         def wanted() -> bool:  # on the model thread: reads only
-            if bulk and self._waiting > self._waiting_bulk:
+            if bulk and self._interactive_waiting > 0:
                 return False
             now = time.monotonic()
             return any(not r.abandoned and (r.deadline is None or now < r.deadline) for r, _, _ in batch_runs)
@@ -665,7 +673,8 @@ class Batcher:
 
     def _give_back(self, batch: list[Entry]) -> None:
         """A batch prepared ahead that did not run: back at the head of its kind's inputs, counted
-        as waiting again (those of ended requests as the queue's dead), to be taken anew."""
+        as waiting again (those of ended requests as the queue's dead), to be taken anew. Its places
+        may have gone to requests admitted meanwhile: the depth can pass queue_limit by a batch."""
         bulk = batch[0][0].bulk
         at = self._interactive if bulk else 0
         self._queue[at:at] = batch

@@ -392,6 +392,59 @@ def test_with_two_instances_a_part_batch_is_not_prepared_ahead_either():
     assert [[int(i) for i in ids[:, 0]] for ids, _ in model.batches] == [[10], [20], [30, 31, 32]]
 
 
+class GatedByFirstId(FakeModel):
+    """Each batch waits for the gate of its first row's first id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[int, threading.Event] = {}
+
+    def gate_for(self, first: int) -> threading.Event:
+        return self.gates.setdefault(first, threading.Event())
+
+    def run(self, ids, lengths):
+        self.batches.append((ids.copy(), lengths.copy()))
+        assert self.gate_for(int(ids[0, 0])).wait(10), "the test never released this batch"
+        vectors = np.stack([ids[:, 0], lengths], axis=1).astype(np.float32)
+        return vectors, vectors * 2
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_an_input_arriving_after_the_head_a_worker_timed_was_taken_waits_its_own_delay(ahead):
+    # A worker that had waited out the delay of a head another worker then took sent a later input
+    # off alone on that old clock the moment an instance came free (a review).
+    model = GatedByFirstId()
+    model.gate_for(30).set()
+    two = TwoInstances(model)
+    limits = BatchLimits(64, 4, 0.2, 64)
+    instance = two.instance if ahead else None
+    batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2, ahead=ahead, instance=instance)
+
+    async def scenario():
+        batcher.start()
+        try:
+            a = batcher.enqueue(Rows.of([[10, 5]]))
+            await wait_until(lambda: len(model.batches) == 1)  # alone at once: every instance idle
+            b = batcher.enqueue(Rows.of([[20, 5]]))
+            await wait_until(lambda: len(model.batches) == 2)  # after its 0.2 s delay
+            await asyncio.sleep(0.1)
+            x = batcher.enqueue(Rows.of([[30, 5]]))
+            await asyncio.sleep(0.01)
+            model.gate_for(10).set()  # an instance free; the other still computes [20]
+            await asyncio.sleep(0.05)
+            y = batcher.enqueue(Rows.of([[31, 5]]))  # within [30]'s own 0.2 s delay
+            await x.future, await y.future
+            model.gate_for(20).set()
+            await a.future, await b.future
+        finally:
+            for gate in model.gates.values():
+                gate.set()
+            await batcher.stop()
+
+    run(scenario)
+    assert [[int(i) for i in ids[:, 0]] for ids, _ in model.batches] == [[10], [20], [30, 31]]
+
+
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_interactive_inputs_go_before_a_bulk_batch_prepared_ahead(ahead):
     # The bulk batch prepared while the instance computed goes back to the queue once the instance
