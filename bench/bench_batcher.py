@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import sys
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minilm_embed.model.repository import CPU_PROVIDER, CUDA_PROVIDER
 from minilm_embed.server.batcher import Batcher, BatchLimits, Rows, RunFn
 from minilm_embed.server.config import ServerConfig, batch_limits_for
+from minilm_embed.server.engine import batch_limits
 from minilm_embed.server.metrics import Metrics
 
 DIMENSIONS = 384
@@ -68,27 +70,39 @@ class GpuLike:
         return instant(ids, lengths)
 
 
-async def measure_gpu_like(ahead: int, row_s: float, inputs: int, callers: int) -> dict[str, float]:
-    c = batch_limits_for(ServerConfig(), CUDA_PROVIDER)
-    limits = BatchLimits(
-        c.max_batch_tokens, c.max_batch_size, c.max_queue_delay_ms / 1000, 1 << 20, c.max_padding
-    )
-    model = GpuLike(row_s)
-    batcher = Batcher(model.run, limits, Metrics(), workers=1, ahead=ahead, instance=model.instance)
-    batcher.start()
-    rng = random.Random(ahead)
+def limits_for(config: ServerConfig, provider: str) -> BatchLimits:
+    """The engine's limits on `provider` (auto resolved), a queue no load here fills."""
+    return batch_limits(dataclasses.replace(batch_limits_for(config, provider), queue_limit=1 << 20))
+
+
+def requests_of(per_request: int, inputs: int, seed: int) -> list[Rows]:
+    rng = random.Random(seed)
     requests = []
-    for _ in range(inputs // 32):
-        lengths = np.array([rng.randint(8, 30) for _ in range(32)], dtype=np.int32)
+    for _ in range(inputs // per_request):
+        lengths = np.array([rng.randint(8, 30) for _ in range(per_request)], dtype=np.int32)
         requests.append(Rows(lengths, np.ones(int(lengths.sum()), dtype=np.int32)))
+    return requests
+
+
+async def drive(batcher: Batcher, requests: list[Rows], callers: int) -> None:
+    """`callers` callers submitting `requests` one after another until none is left."""
     todo = iter(requests)
 
     async def caller() -> None:
         for rows in todo:
             await batcher.submit(rows)
 
-    wall = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(callers)))
+
+
+async def measure_gpu_like(ahead: int, row_s: float, inputs: int, callers: int) -> dict[str, float]:
+    model = GpuLike(row_s)
+    limits = limits_for(ServerConfig(), CUDA_PROVIDER)
+    batcher = Batcher(model.run, limits, Metrics(), workers=1, ahead=ahead, instance=model.instance)
+    batcher.start()
+    requests = requests_of(32, inputs, ahead)
+    wall = time.perf_counter()
+    await drive(batcher, requests, callers)
     wall = time.perf_counter() - wall
     await batcher.stop()
     return {
@@ -107,25 +121,11 @@ def sample(batcher: Batcher, name: str) -> float:
 async def measure(
     per_request: int, inputs: int, callers: int, config: ServerConfig | None = None
 ) -> dict[str, float]:
-    c = batch_limits_for(config or ServerConfig(), CPU_PROVIDER)
-    limits = BatchLimits(
-        c.max_batch_tokens, c.max_batch_size, c.max_queue_delay_ms / 1000, 1 << 20, c.max_padding
-    )
-    batcher = Batcher(instant, limits, Metrics(), workers=2)
+    batcher = Batcher(instant, limits_for(config or ServerConfig(), CPU_PROVIDER), Metrics(), workers=2)
     batcher.start()
-    rng = random.Random(per_request)
-    requests = []
-    for _ in range(inputs // per_request):
-        lengths = np.array([rng.randint(8, 30) for _ in range(per_request)], dtype=np.int32)
-        requests.append(Rows(lengths, np.ones(int(lengths.sum()), dtype=np.int32)))
-    todo = iter(requests)
-
-    async def caller() -> None:
-        for rows in todo:
-            await batcher.submit(rows)
-
+    requests = requests_of(per_request, inputs, per_request)
     cpu, loop_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(callers)))
+    await drive(batcher, requests, callers)
     cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
     wall = time.perf_counter() - wall
     await batcher.stop()

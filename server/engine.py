@@ -127,8 +127,8 @@ def warm_up(backend: Backend, config: ServerConfig, longest: int, pool: Executor
     """Run the largest batches the limits allow on every instance at once, on `pool`: the batcher's
     own model threads, `threads` of them (0: one per instance). Threads beyond the instances (the
     batches prepared ahead, Batcher.ahead) each warm too, an instance held in turn: a model run
-    goes to whichever thread is free, and ORT's CUDA provider keeps per-thread state (its cuBLAS and
-    cuDNN handles) made at a thread's first run.
+    goes to whichever thread is free, and ORT's CUDA provider, by its source (a review's reading,
+    not measured), makes per-thread state (cuBLAS and cuDNN handles) at a thread's first run.
 
     First requests then do not pay for ORT's first-run allocations, and each instance's memory
     arena reaches the footprint of its largest batch before serving. Without the concurrent part the

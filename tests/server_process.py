@@ -37,11 +37,11 @@ def flags(settings: Mapping[str, object]) -> list[str]:
     return [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), str(value))]
 
 
-def loopback_command(*args: str) -> list[str]:
-    """`python -m minilm_embed.server` on ports the OS picks (HTTP too: never the default :8080 of a
-    shared machine), without /metrics."""
+def loopback_command(*args: str, entry: Sequence[str] = ("minilm_embed.server",)) -> list[str]:
+    """`python -m minilm_embed.server` (or another entry) on ports the OS picks (HTTP too: never the
+    default :8080 of a shared machine), without /metrics."""
     listen = ["--address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--metrics-address", ""]
-    return [sys.executable, "-m", "minilm_embed.server", *listen, *args]
+    return [sys.executable, "-m", *entry, *listen, *args]
 
 
 def model_dir() -> Path:

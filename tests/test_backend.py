@@ -288,8 +288,8 @@ def test_the_bound_path_answers_what_session_run_does_through_every_bucket_and_r
 
 
 def test_the_warm_up_runs_on_every_model_thread_those_of_batches_prepared_ahead_too():
-    # A run goes to whichever model thread is free, and ORT's CUDA provider makes per-thread state at
-    # a thread's first run: the thread of the batch prepared ahead was left cold (a review).
+    # A run goes to whichever model thread is free, and ORT's CUDA provider (by its source) makes
+    # per-thread state at a thread's first run: the prepared batch's thread was left cold (a review).
     config = ServerConfig(max_batch_size=64, max_batch_tokens=4096)
     backend = Recording(CUDA, instances=1)
     threads: list[set[int]] = [set()]

@@ -55,15 +55,22 @@ class FakeModel:
 
     def run(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.batches.append((ids.copy(), lengths.copy()))
-        assert self.gate.wait(10), "the test never released the fake model"
+        assert self.gate_of(ids).wait(10), "the test never released the fake model"
         if (ids[:, 0] == FAULT).any():
             raise RuntimeError("fake model failure")
         vectors = np.stack([ids[:, 0], lengths], axis=1).astype(np.float32)  # (B, 2)
         vectors[ids[:, 0] == NAN] = np.nan
         return vectors, vectors * 2
 
+    def gate_of(self, ids: np.ndarray) -> threading.Event:
+        """What a batch waits for before it computes."""
+        return self.gate
+
     def first_ids_seen(self) -> list[int]:
         return [int(i) for ids, _ in self.batches for i in ids[:, 0]]
+
+    def first_ids_by_batch(self) -> list[list[int]]:
+        return [[int(i) for i in ids[:, 0]] for ids, _ in self.batches]
 
 
 # Each (depth, tokens) a batcher of new_batcher's published in which the tokens cannot be those of the
@@ -245,31 +252,34 @@ def test_two_workers_compute_two_batches_at_once_and_answers_keep_their_order():
     assert len(model.batches) == 3
 
 
-class OneInstance:
-    """The fake model as one instance that a batch holds while it runs (as OnnxBackend's instance());
-    counts the runs at once, and how long a batch held it (`hold_s` each)."""
+class Instances:
+    """The fake model as `count` instances, one held by a batch while it runs (as OnnxBackend's
+    instance()); counts the runs at once, and how long a batch held one (`hold_s` each)."""
 
-    def __init__(self, model: FakeModel, hold_s: float = 0.0) -> None:
+    def __init__(self, model: FakeModel, hold_s: float = 0.0, count: int = 1) -> None:
         self.model, self.hold_s = model, hold_s
-        self.lock = threading.Lock()
+        self.slots = threading.Semaphore(count)
+        self.counting = threading.Lock()
         self.at_once = self.most_at_once = 0
 
     @contextlib.contextmanager
     def instance(self):
-        with self.lock:
-            self.at_once += 1
-            self.most_at_once = max(self.most_at_once, self.at_once)
+        with self.slots:
+            with self.counting:
+                self.at_once += 1
+                self.most_at_once = max(self.most_at_once, self.at_once)
             try:
                 yield self.run
             finally:
-                self.at_once -= 1
+                with self.counting:
+                    self.at_once -= 1
 
     def run(self, ids, lengths):
         time.sleep(self.hold_s)
         return self.model.run(ids, lengths)
 
 
-def batcher_ahead(one: OneInstance, ahead: int) -> Batcher:
+def batcher_ahead(one: Instances, ahead: int) -> Batcher:
     limits = BatchLimits(64, 2, 0.0, 64)
     return Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=ahead, instance=one.instance)
 
@@ -278,7 +288,7 @@ def batcher_ahead(one: OneInstance, ahead: int) -> Batcher:
 def test_a_batch_is_prepared_ahead_while_the_one_instance_computes_and_waits_for_it(ahead):
     # On CUDA (engine.BATCHES_AHEAD) the next batch is taken and padded while the instance computes,
     # so the event loop's work overlaps the run: an H200's instance was idle a third of the time.
-    one = OneInstance(FakeModel(blocked=True))
+    one = Instances(FakeModel(blocked=True))
     batcher = batcher_ahead(one, ahead)
     rows = [[10 + i, 5] for i in range(6)]
 
@@ -303,7 +313,7 @@ def test_a_batch_is_prepared_ahead_while_the_one_instance_computes_and_waits_for
 def test_a_part_batch_is_not_prepared_ahead_but_gathers_what_arrives_while_the_instance_computes():
     # Prepared early, a part batch would hold only what came before it, leaving what arrives during
     # the run to a batch of its own: more, smaller runs at a moderate load.
-    one = OneInstance(FakeModel(blocked=True))
+    one = Instances(FakeModel(blocked=True))
     limits = BatchLimits(64, 8, 0.0, 64)
     batcher = Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=1, instance=one.instance)
 
@@ -331,7 +341,7 @@ def test_a_part_batch_is_not_prepared_ahead_but_gathers_what_arrives_while_the_i
 def test_a_batch_full_by_its_tokens_is_prepared_ahead_too():
     # CUDA's auto limits fill by tokens first with long inputs (512 rows of 256 tokens); a review
     # found only a count-full batch prepared ahead.
-    one = OneInstance(FakeModel(blocked=True))
+    one = Instances(FakeModel(blocked=True))
     limits = BatchLimits(20, 8, 0.0, 64)  # inputs of 5 tokens: 4 a batch by tokens, 8 by count
     batcher = Batcher(one.model.run, limits, Metrics(), pad_id=PAD, ahead=1, instance=one.instance)
 
@@ -352,23 +362,12 @@ def test_a_batch_full_by_its_tokens_is_prepared_ahead_too():
     assert [len(ids) for ids, _ in one.model.batches] == [1, 4, 3]
 
 
-class TwoInstances:
-    def __init__(self, model: FakeModel) -> None:
-        self.model = model
-        self.slots = threading.Semaphore(2)
-
-    @contextlib.contextmanager
-    def instance(self):
-        with self.slots:
-            yield self.model.run
-
-
 def test_with_two_instances_a_part_batch_is_not_prepared_ahead_either():
     # Two workers waiting out the same queue delay: the second, timed out after the first had taken
     # the last free instance, took a part batch ahead (a review).
     model = FakeModel(blocked=True)
     limits = BatchLimits(64, 4, 0.05, 64)
-    two = TwoInstances(model)
+    two = Instances(model, count=2)
     batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2, ahead=1, instance=two.instance)
 
     async def scenario():
@@ -389,7 +388,7 @@ def test_with_two_instances_a_part_batch_is_not_prepared_ahead_either():
             await batcher.stop()
 
     run(scenario)
-    assert [[int(i) for i in ids[:, 0]] for ids, _ in model.batches] == [[10], [20], [30, 31, 32]]
+    assert model.first_ids_by_batch() == [[10], [20], [30, 31, 32]]
 
 
 class GatedByFirstId(FakeModel):
@@ -402,11 +401,8 @@ class GatedByFirstId(FakeModel):
     def gate_for(self, first: int) -> threading.Event:
         return self.gates.setdefault(first, threading.Event())
 
-    def run(self, ids, lengths):
-        self.batches.append((ids.copy(), lengths.copy()))
-        assert self.gate_for(int(ids[0, 0])).wait(10), "the test never released this batch"
-        vectors = np.stack([ids[:, 0], lengths], axis=1).astype(np.float32)
-        return vectors, vectors * 2
+    def gate_of(self, ids: np.ndarray) -> threading.Event:
+        return self.gate_for(int(ids[0, 0]))
 
 
 @pytest.mark.parametrize("ahead", [0, 1])
@@ -415,7 +411,7 @@ def test_an_input_arriving_after_the_head_a_worker_timed_was_taken_waits_its_own
     # off alone on that old clock the moment an instance came free (a review).
     model = GatedByFirstId()
     model.gate_for(30).set()
-    two = TwoInstances(model)
+    two = Instances(model, count=2)
     limits = BatchLimits(64, 4, 0.2, 64)
     instance = two.instance if ahead else None
     batcher = Batcher(model.run, limits, Metrics(), pad_id=PAD, workers=2, ahead=ahead, instance=instance)
@@ -442,14 +438,14 @@ def test_an_input_arriving_after_the_head_a_worker_timed_was_taken_waits_its_own
             await batcher.stop()
 
     run(scenario)
-    assert [[int(i) for i in ids[:, 0]] for ids, _ in model.batches] == [[10], [20], [30, 31]]
+    assert model.first_ids_by_batch() == [[10], [20], [30, 31]]
 
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_interactive_inputs_go_before_a_bulk_batch_prepared_ahead(ahead):
     # The bulk batch prepared while the instance computed goes back to the queue once the instance
     # is free, if interactive inputs came meanwhile: they wait for one run, as without it.
-    one = OneInstance(FakeModel(blocked=True))
+    one = Instances(FakeModel(blocked=True))
     batcher = batcher_ahead(one, ahead)
 
     async def scenario():
@@ -465,7 +461,7 @@ def test_interactive_inputs_go_before_a_bulk_batch_prepared_ahead(ahead):
             await batcher.stop()
 
     assert run(scenario) == (list(range(10, 16)), [50])
-    assert [[int(i) for i in ids[:, 0]] for ids, _ in one.model.batches] == [
+    assert one.model.first_ids_by_batch() == [
         [10, 11],
         [50],
         [12, 13],
@@ -477,7 +473,7 @@ def test_interactive_inputs_go_before_a_bulk_batch_prepared_ahead(ahead):
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_a_request_whose_deadline_passes_while_its_batch_waits_for_the_instance_is_dropped(ahead):
-    one = OneInstance(FakeModel(blocked=True))
+    one = Instances(FakeModel(blocked=True))
     batcher = batcher_ahead(one, ahead)
 
     async def scenario():
@@ -503,7 +499,7 @@ def test_a_request_whose_deadline_passes_while_its_batch_waits_for_the_instance_
 def test_a_prepared_batchs_wait_for_the_instance_is_not_counted_as_its_run():
     # The run time feeds the model-run histogram, the pace a full queue's retry hint is told from,
     # and the hung-run watchdog: a batch waiting its turn must not read as computing.
-    one = OneInstance(FakeModel(), hold_s=0.2)
+    one = Instances(FakeModel(), hold_s=0.2)
     batcher = batcher_ahead(one, ahead=1)
 
     async def scenario():
@@ -1100,8 +1096,7 @@ def test_an_interactive_request_is_batched_before_the_bulk_inputs_queued_ahead_o
 
     first, bulk, more_bulk, interactive = run(scenario)
     # Interactive inputs batch among themselves: 22 runs alone rather than wait for 10's compute too.
-    batches = [[int(i) for i in ids[:, 0]] for ids, _ in model.batches]
-    assert batches == [[1], [20, 21], [22], [10, 11], [12, 13], [14]]
+    assert model.first_ids_by_batch() == [[1], [20, 21], [22], [10, 11], [12, 13], [14]]
     assert (first_ids(first), first_ids(bulk), first_ids(more_bulk)) == ([1], [10, 11, 12, 13], [14])
     assert first_ids(interactive) == [20, 21, 22]
     assert sample(batcher, "embed_queue_depth") == 0

@@ -219,8 +219,8 @@ def refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
 def test_a_warm_up_that_runs_out_of_memory_stops_the_server_with_one_line_naming_the_limits():
     # As on an H200 at the auto CUDA limits, when the warm-up ran smallest batch first (2026-11-29):
     # the engine's traceback, and the server exited 1 naming nothing.
-    command = [*loopback_command("--model-dir", str(model_dir()), "--front-processes", "1")]
-    command[1:3] = ["-m", "tests.stand_in_server", "warm-oom"]
+    entry = ("tests.stand_in_server", "warm-oom")
+    command = loopback_command("--model-dir", str(model_dir()), "--front-processes", "1", entry=entry)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
