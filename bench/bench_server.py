@@ -454,7 +454,7 @@ def sentence_transformers(model_dir: Path, texts: list[str], repeats: int) -> li
     """sentence-transformers in process on every core, batch 32, fp32 and (where torch has a native
     kernel) bf16: what a user gets without this service. Best of `repeats` passes over `texts`."""
     import torch
-    from bench_model import bf16_is_native, st_texts
+    from bench_model import bf16_is_native, st_texts, st_weights
 
     torch.set_num_threads(usable_cores())
     tokens = sum(Tokenizer(model_dir / TOKENIZER_FILE, 256).encode(texts).lengths)
@@ -463,7 +463,7 @@ def sentence_transformers(model_dir: Path, texts: list[str], repeats: int) -> li
         del dtypes["bf16"]
     rows = []
     for name, dtype in dtypes.items():
-        embed = st_texts(Path(read_manifest(model_dir).source), 256, dtype)(32)
+        embed = st_texts(st_weights(Path(read_manifest(model_dir).source)), 256, dtype)(32)
         embed(texts[:64])  # warm
         runs = [tokens / _timed(embed, texts) for _ in range(repeats)]
         best = max(runs)

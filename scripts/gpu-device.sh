@@ -3,9 +3,12 @@
 # $HOME/p: unpacks them once (into $HOME/w), puts the model, the stubs and the packages in place,
 # points the dynamic linker at torch's CUDA libraries (onnxruntime-gpu's CUDA provider needs CUDA 13
 # and cuDNN 9; the server's processes never import torch), then runs scripts/gpu-check.sh with its
-# environment (BENCH_GPU_FLAGS, FRONT_BENCH, OUT). With SETUP_ONLY=1 it stops before the checks and
-# prints the exports to reuse: `eval "$(SETUP_ONLY=1 bash scripts/gpu-device.sh)"`.
+# environment (BENCH_GPU_FLAGS, FRONT_BENCH, OUT), or the check script given as its argument (e.g.
+# scripts/cpu-low-precision-check.sh: the host's Xeon, which has AMX, measured for issue 15). With
+# SETUP_ONLY=1 it stops before the checks and prints the exports to reuse:
+# `eval "$(SETUP_ONLY=1 bash scripts/gpu-device.sh)"`.
 set -euo pipefail
+CHECK=${1:-scripts/gpu-check.sh}
 W=$HOME/w
 if [ ! -d "$W/site" ]; then
     mkdir -p "$W"
@@ -30,4 +33,4 @@ fi
 python3 -c "import onnxruntime as o, grpc; print('onnxruntime', o.__version__, o.get_available_providers(), 'grpcio', grpc.__version__)"
 data=()
 if [ -d "$W/data/stsbenchmark" ]; then data=(DATA_DIR="$W/data"); fi
-exec env "${data[@]}" BENCH_ST_WEIGHTS="$W/st" bash scripts/gpu-check.sh
+exec env "${data[@]}" BENCH_ST_WEIGHTS="$W/st" bash "$CHECK"
