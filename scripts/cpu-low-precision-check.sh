@@ -30,11 +30,13 @@ if ! grep -q '"precision": "int8"' "$MODEL_DIR/manifest.json"; then
     echo "cpu-low-precision-check: $MODEL_DIR has no int8 graph (make model with DATA_DIR set builds one)" >&2
     exit 2
 fi
+# taskset without util-linux: the command, on CORES ("0,1"), children included.
+pin='import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])'
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
     echo "== $name ($(date +%T))"
-    timeout "$limit" taskset -c "$CORES" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
+    timeout "$limit" "$PY" -c "$pin" "$CORES" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
 step bench-model 420 "$PY" bench/bench_model.py --model-dir "$MODEL_DIR" "${data[@]}" --threads 2 \
