@@ -490,7 +490,9 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
             row.setup = f"{row.setup}, {name}"
             baselines.append(row)
     plan = [(64, 1), (64, 32)]
-    base = ["--queue-limit", "16384", "--model-dir", str(model_dir)]
+    # On the CPU even where a GPU is usable (the GPU host's Xeon, scripts/cpu-low-precision-check.sh):
+    # auto would serve fp32 on CUDA and refuse int8 there.
+    base = ["--queue-limit", "16384", "--model-dir", str(model_dir), "--device", "cpu"]
     series: dict[str, list[list[Row]]] = {"fp32": [], "int8": []}
     for i in range(repeats):
         for precision in sorted(series, reverse=bool(i % 2)):
