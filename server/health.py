@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -83,13 +84,19 @@ CHECK = "/grpc.health.v1.Health/Check"
 
 class StreamLimit(grpc.aio.ServerInterceptor):
     """Health's and reflection's calls: at most `limit` open at once, of them at most `long_lived`
-    LONG_LIVED ones; past either a call is refused at once with RESOURCE_EXHAUSTED. With the service's
-    own places (max_concurrent_calls + max_waiting_calls) they fit gRPC's cap, so neither takes the
-    other's. Each is handled as a call that streams its requests, so that it is counted from its
-    arrival, before its message, and Check and Watch must send their message within `message_timeout_s`
-    (then DEADLINE_EXCEEDED): gRPC reads a unary request before any handler runs, and 80 Check calls
-    that sent their headers and no message held every place, Embed and Check refused, for good (seen
-    after the Watch streams were bounded)."""
+    LONG_LIVED ones. Each is handled as a call that streams its requests, so that it is counted from
+    its arrival, before its message, and Check and Watch must send their message within
+    `message_timeout_s` (then DEADLINE_EXCEEDED): gRPC reads a unary request before any handler runs,
+    and 80 Check calls that sent their headers and no message held every place, Embed and Check
+    refused, for good (seen after the Watch streams were bounded). With the service's own places
+    (max_concurrent_calls + max_waiting_calls) they fit gRPC's cap, so neither takes the other's.
+
+    Past either limit the call that has waited longest for its message gives its place to the new
+    one (RESOURCE_EXHAUSTED, saying so); only where none is waiting is the new call refused at once.
+    A probe sends its message as it starts: before, an anonymous client that held every place with
+    calls that never sent theirs, each opened again after `message_timeout_s`, had every probe's
+    Check refused (an acceptance pass's finding, left open then), which Kubernetes' liveness probe
+    (6 x 10 s, deploy/k8s) would have taken for a dead server and restarted the pod."""
 
     def __init__(self, limit: int, long_lived: int, message_timeout_s: float) -> None:
         self.limit = limit
@@ -97,6 +104,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         self.message_timeout_s = message_timeout_s
         self.open = 0
         self.open_long_lived = 0
+        # Calls waiting for their message, oldest first: each one's place, told when it is taken.
+        self.waiting: dict[_Place, asyncio.Future[None]] = {}
 
     async def intercept_service(
         self,
@@ -112,16 +121,16 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             unary = handler.unary_unary
 
             async def check(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with self._admitted(context, long_lived):
-                    return await unary(await self._first(requests, context, details.method), context)
+                async with self._admitted(context, long_lived) as place:
+                    return await unary(await self._first(requests, context, details.method, place), context)
 
             return grpc.stream_unary_rpc_method_handler(check, *codecs)
         if handler.unary_stream is not None:  # Watch: health's writes its answers itself
             watch = handler.unary_stream
 
             async def watched(requests: Any, context: grpc.aio.ServicerContext) -> None:
-                async with self._admitted(context, long_lived):
-                    await watch(await self._first(requests, context, details.method), context)
+                async with self._admitted(context, long_lived) as place:
+                    await watch(await self._first(requests, context, details.method, place), context)
 
             return grpc.stream_stream_rpc_method_handler(watched, *codecs)
         if handler.stream_stream is not None:  # ServerReflectionInfo: reflection's yields its answers
@@ -140,31 +149,79 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         return handler
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, context: grpc.aio.ServicerContext, long_lived: bool) -> AsyncIterator[None]:
-        """Counted open for the call's life; refused at once past either limit."""
+    async def _admitted(self, context: grpc.aio.ServicerContext, long_lived: bool) -> AsyncIterator[_Place]:
+        """Counted open for the call's life (or until a newer call takes its place); past either limit
+        the oldest call still waiting for its message gives its place up, else this one is refused."""
+        place = _Place(long_lived)
         self.open += 1
         self.open_long_lived += long_lived
         try:
-            if long_lived and self.open_long_lived > self.long_lived:
+            if long_lived and self.open_long_lived > self.long_lived and not self._evict(long_lived=True):
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.long_lived} health Watch and reflection streams are open on this front "
                     "process, its most: close one, or use health Check",
                 )
-            if self.open > self.limit:
+            if self.open > self.limit and not self._evict(long_lived=False):
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.limit} health and reflection calls are open on this front process, its most: "
                     "retry in a moment",
                 )
-            yield
+            yield place
         finally:
-            self.open -= 1
-            self.open_long_lived -= long_lived
+            if place.counted:
+                self.open -= 1
+                self.open_long_lived -= long_lived
 
-    async def _first(self, requests: Any, context: grpc.aio.ServicerContext, method: str) -> Any:
-        """The call's one request, within message_timeout_s of its start, as the service's calls'."""
+    def _evict(self, long_lived: bool) -> bool:
+        """The oldest call waiting for its message (a long-lived one where `long_lived`) loses its
+        place, uncounted now; False where none waits."""
+        victim = next((p for p in self.waiting if p.long_lived or not long_lived), None)
+        if victim is None:
+            return False
+        self.waiting.pop(victim).set_result(None)
+        victim.counted = False
+        self.open -= 1
+        self.open_long_lived -= victim.long_lived
+        return True
+
+    async def _first(
+        self, requests: Any, context: grpc.aio.ServicerContext, method: str, place: _Place
+    ) -> Any:
+        """The call's one request, within message_timeout_s of its start, as the service's calls';
+        meanwhile a newer call may take its place (`_evict`)."""
+        taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting[place] = taken
+        started = time.monotonic()
+        reading = asyncio.ensure_future(one_request(requests, self.message_timeout_s, method, "it began"))
         try:
-            return await one_request(requests, self.message_timeout_s, method, "it began")
+            await asyncio.wait((reading, taken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting.pop(place, None)
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
+        if taken.done():  # uncounted now, its message come meanwhile or not
+            waited = time.monotonic() - started
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the {method} call's request had not come {waited:.1f} s after it began, and "
+                f"{self.limit} health and reflection calls ({self.long_lived} streams) were open on this "
+                "front process, its most: a newer call took its place",
+            )
+        try:
+            return reading.result()
         except (InvalidInput, MessageLate) as e:
             await context.abort(e.code, str(e), details(e))
+
+
+class _Place:
+    """One health or reflection call's place in StreamLimit's count."""
+
+    __slots__ = ("counted", "long_lived")
+
+    def __init__(self, long_lived: bool) -> None:
+        self.long_lived = long_lived
+        self.counted = True

@@ -26,6 +26,7 @@ from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.budget import Places
 from minilm_embed.server.front import LONG_LIVED_CALLS, OTHER_CALLS
+from minilm_embed.server.health import CHECK, StreamLimit
 from tests.server_process import ServerProcess, flags, serving
 from tests.test_server import error_details, metric
 
@@ -177,8 +178,11 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
             refused = [f for f in firsts if isinstance(f, grpc.aio.AioRpcError)]
             assert len(firsts) - len(refused) == LONG_LIVED_CALLS, firsts
             assert {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
-            named = f"{LONG_LIVED_CALLS} health Watch and reflection streams are open"
-            assert any(named in (r.details() or "") for r in refused), refused
+            # Refused at once, or (sent together) a newer one took the place of one whose request had
+            # not come yet: either way the answer names the limit.
+            named = (f"{LONG_LIVED_CALLS} health Watch and reflection streams are open", "a newer call took")
+            assert all(any(n in (r.details() or "") for n in named) for r in refused), refused
+            assert all(f"{LONG_LIVED_CALLS}" in (r.details() or "") for r in refused), refused
             reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
             info = reflection.ServerReflectionInfo()  # the same share
             with contextlib.suppress(grpc.aio.AioRpcError):  # refused before its request is read:
@@ -205,8 +209,10 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
 def test_health_checks_that_send_no_request_cannot_take_the_services_places(server: ServerProcess) -> None:
     """gRPC reads a unary call's request before any handler runs: 80 Check calls that sent their
     headers and no message held every one of gRPC's places, and Embed and Check were refused
-    "Concurrent RPC limit exceeded!" for good. Now health's calls are counted from their arrival, and
-    past OTHER_CALLS refused at once; the service's places stay its own."""
+    "Concurrent RPC limit exceeded!" for good. Now health's calls are counted from their arrival, at
+    most OTHER_CALLS; the service's places stay its own. Past OTHER_CALLS the oldest call still
+    waiting for its message gives its place up: a probe's Check, which sends its message at once,
+    answers while the client holds every place (it was refused until the calls ended)."""
     checks = OTHER_CALLS + 16
 
     async def scenario() -> None:
@@ -225,22 +231,95 @@ def test_health_checks_that_send_no_request_cannot_take_the_services_places(serv
                 await never.wait()
                 yield health_pb2.HealthCheckRequest()
 
-            calls = [stuck[i % 2](no_request()) for i in range(checks)]
+            calls = []
+            for i in range(checks):  # in order: the first ones have waited longest
+                calls.append(stuck[i % 2](no_request()))
+                await asyncio.sleep(0.001)
             await wait_until_async(lambda: sum(c.done() for c in calls) >= checks - OTHER_CALLS, 20)
             refused = [c for c in calls if c.done()]
             assert len(refused) == checks - OTHER_CALLS
             for call in refused:
                 assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await call.details()
-            assert f"{OTHER_CALLS} health and reflection calls are open" in (await refused[0].details())
+            assert "a newer call took its place" in (await refused[0].details())
+            assert f"{OTHER_CALLS} health and reflection calls" in (await refused[0].details())
+            assert sum(c.done() for c in calls[: checks // 2]) == checks - OTHER_CALLS  # the oldest
             embedding = pb_grpc.EmbeddingServiceStub(channel)
             answer = await embedding.Embed(pb.EmbedRequest(texts=["checked"]), timeout=30)
             assert len(answer.embeddings) == 1
+            health = health_pb2_grpc.HealthStub(other)  # a probe, every place held
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+            assert sum(c.done() for c in calls) == checks - OTHER_CALLS + 1  # one more gave its place
             for call in calls:
                 call.cancel()
             await asyncio.sleep(0.5)
             health = health_pb2_grpc.HealthStub(channel)
             checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert checked.status == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(scenario())
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """What StreamLimit asks of a call's context: abort, which ends the handler as gRPC's does."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, message: str, *_: object) -> None:
+        self.aborted = (code, message)
+        raise Aborted(message)
+
+
+def test_stream_limit_gives_the_place_of_the_call_waiting_longest_for_its_message_counts_to_zero() -> None:
+    """StreamLimit alone, three places: a fourth call takes the place of the oldest call still waiting
+    for its message (refused, saying so), and is answered; with every call past its message, a fourth
+    is refused at once; the counts end at zero, the taken call's too (counted off when taken)."""
+    held = asyncio.Event()
+
+    async def answer(request: str, _: object) -> str:
+        await held.wait()
+        return "answer to " + request
+
+    async def continuation(_: object) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(answer)
+
+    async def scenario() -> None:
+        limit = StreamLimit(3, 2, message_timeout_s=30)
+        method = type("Details", (), {"method": CHECK})()
+        check = (await limit.intercept_service(continuation, method)).stream_unary
+        messages: list[asyncio.Queue[str]] = [asyncio.Queue() for _ in range(5)]
+        contexts = [FakeContext() for _ in range(5)]
+
+        async def requests(i: int) -> AsyncIterator[str]:
+            yield await messages[i].get()
+
+        def call(i: int) -> asyncio.Task[str]:
+            return asyncio.ensure_future(check(requests(i), contexts[i]))
+
+        calls = [call(0)]
+        await wait_until_async(lambda: len(limit.waiting) == 1, 5)
+        calls += [call(1), call(2)]
+        await wait_until_async(lambda: len(limit.waiting) == 3, 5)
+        messages[1].put_nowait("b")  # past its message: no longer the one to give its place
+        await wait_until_async(lambda: len(limit.waiting) == 2, 5)
+        calls.append(call(3))  # over: call 0, waiting longest, gives its place
+        with pytest.raises(Aborted, match="a newer call took its place"):
+            await calls[0]
+        assert contexts[0].aborted and contexts[0].aborted[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (limit.open, len(limit.waiting)) == (3, 2)
+        messages[2].put_nowait("c")
+        messages[3].put_nowait("d")
+        await wait_until_async(lambda: not limit.waiting, 5)
+        with pytest.raises(Aborted, match="3 health and reflection calls are open"):
+            await call(4)  # none waiting: refused at once
+        held.set()
+        assert [await c for c in calls[1:]] == ["answer to b", "answer to c", "answer to d"]
+        assert (limit.open, limit.open_long_lived, limit.waiting) == (0, 0, {})
 
     asyncio.run(scenario())
 
