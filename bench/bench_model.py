@@ -19,6 +19,8 @@ Each setup runs --repeats times after a warm-up; the fastest run is reported (th
 bf16, ONNX Runtime's MatMulIntegerToFloat, the int8 graph's kernel) gives this machine's peaks, and
 the table's last column is the share of the peak of the row's precision that the whole model reaches
 (FLOP per token counted from the model's shapes).
+With --profile, ORT's profile of each graph (fp32, int8) on one thread: where the node time goes, by
+op type (what a faster matmul kernel, AMX's say, leaves).
 Writes a markdown table to stdout and JSON to --out (default build/bench/model.json).
 """
 
@@ -29,6 +31,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -53,7 +56,8 @@ from minilm_embed.model.config import EncoderConfig
 from minilm_embed.model.data import read_sts, sts_path
 from minilm_embed.model.evaluate import length_sorted
 from minilm_embed.model.repository import CPU_PROVIDER, FP32_FILE, INT8_FILE, TOKENIZER_FILE, read_manifest
-from minilm_embed.model.tokenizer import Tokenizer
+from minilm_embed.model.runtime import run_graph, session_options
+from minilm_embed.model.tokenizer import Tokenizer, pad_batch
 
 BATCHES = (32, 128)
 EmbedTexts = Callable[[list[str]], np.ndarray]
@@ -100,6 +104,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sentences", type=int, default=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also ORT's profile of each graph (fp32, int8), one thread: node time by op type",
+    )
     return p.parse_args()
 
 
@@ -111,6 +120,44 @@ def sentences(data_dir: Path | None, n: int) -> tuple[list[str], str]:
         return texts[:n], "sts-b dev"
     carried = CARRIED_SENTENCES.read_text(encoding="utf-8").splitlines()
     return (carried * (n // len(carried) + 1))[:n], "export/parity_sentences.txt repeated"
+
+
+def op_time(path: Path, tokenizer: Tokenizer, texts: list[str], batch: int = 32) -> dict[str, float]:
+    """Seconds of node time by op type, from ORT's profile of one pass over `texts` (length-sorted
+    batches) on a one-thread session with the server's graph settings, after a pass to warm up."""
+    rows = sorted(tokenizer.encode(texts).ids, key=len)
+    batches = [pad_batch(rows[i : i + batch]) for i in range(0, len(rows), batch)]
+    with tempfile.TemporaryDirectory() as tmp:
+        options = session_options(1, serving=False)
+        session = ort.InferenceSession(
+            str(path), options, providers=[CPU_PROVIDER], disabled_optimizers=list(CPU_DISABLED_OPTIMIZERS)
+        )
+        for ids, lengths in batches:
+            run_graph(session, ids, lengths)
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "profile")
+        session = ort.InferenceSession(
+            str(path), options, providers=[CPU_PROVIDER], disabled_optimizers=list(CPU_DISABLED_OPTIMIZERS)
+        )
+        for ids, lengths in batches:
+            run_graph(session, ids, lengths)
+        events = json.loads(Path(session.end_profiling()).read_text(encoding="utf-8"))
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            op = e["args"]["op_name"]
+            by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e6
+    return dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+
+
+def op_time_table(profiles: dict[str, dict[str, float]], top: int = 12) -> str:
+    """Each graph's node time and its largest op types' shares."""
+    lines = []
+    for graph, by_op in profiles.items():
+        total = sum(by_op.values())
+        shares = ", ".join(f"{op} {t / total:.0%}" for op, t in list(by_op.items())[:top])
+        lines.append(f"- {graph}: {total:.2f} s of node time; {shares}")
+    return "\n".join(lines)
 
 
 def skip_layer_norm_nodes(path: Path, disabled: list[str]) -> int:
@@ -389,6 +436,12 @@ def main() -> int:
         f"\nSkipLayerNormalization nodes after ORT's optimisation: {fusion['server_settings']} with the "
         f"server's settings, {fusion['all_optimizers']} with SkipLayerNormFusion on"
     )
+    profiles = {}
+    if args.profile:
+        graphs = {"fp32": model, "int8": args.model_dir / INT8_FILE}
+        profiles = {name: op_time(path, tokenizer, texts) for name, path in graphs.items() if path.is_file()}
+        print("\nORT's profile, one thread, length-sorted batches of 32, node time by op type:")
+        print(op_time_table(profiles))
     report = {
         "model_dir": str(args.model_dir),
         "onnx_sha256": manifest.onnx_sha256,
@@ -404,6 +457,7 @@ def main() -> int:
         "bf16_probe": {"native": bf16, "figures": bf16_probe},
         "flop_per_token": per_token,
         "results": [asdict(r) for r in results],
+        "op_time_s": profiles,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -5,7 +5,7 @@
 # project's other low-precision figures, docs/benchmarks.md), so each ratio is within one run on the
 # same cores:
 #   1. bench/bench_model.py: fp32 and int8 in process, sentence-transformers fp32 and bf16, the
-#      matmul peaks and each row's share of its precision's peak;
+#      matmul peaks, each row's share of its precision's peak, and each graph's one-thread profile;
 #   2. bench/bench_server.py --low-precision: int8 served beside fp32 served, against
 #      sentence-transformers fp32 and bf16 in the same run.
 # On the GPU host: `bash scripts/gpu-device.sh scripts/cpu-low-precision-check.sh` (after the
@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...
     timeout "$limit" "$PY" -c "$pin" "$CORES" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
-step bench-model 420 "$PY" bench/bench_model.py --model-dir "$MODEL_DIR" "${data[@]}" --threads 2 \
+step bench-model 420 "$PY" bench/bench_model.py --model-dir "$MODEL_DIR" "${data[@]}" --threads 2 --profile \
     --repeats "${REPEATS:-2}" --out "$OUT/model.json"
 step bench-low-precision 420 "$PY" bench/bench_server.py --model-dir "$MODEL_DIR" "${data[@]}" --low-precision \
     --seconds "${LEVEL_SECONDS:-4}" --repeats "${REPEATS:-2}" --out "$OUT/server.json"
