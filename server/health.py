@@ -201,8 +201,11 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             self.waiting.pop(place, None)
             if not reading.done():
                 reading.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reading
+            # Its outcome read here, whatever it is: a call the client cancelled (or whose connection
+            # closed) also ends its request stream, and the NO_REQUEST that raised in place of the
+            # cancellation was logged as the servicer's own error, with a traceback, every time.
+            with contextlib.suppress(asyncio.CancelledError, InvalidInput, MessageLate):
+                await reading
         if taken.done():  # uncounted now, its message come meanwhile or not
             waited = time.monotonic() - started
             await context.abort(
