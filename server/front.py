@@ -94,6 +94,12 @@ class Front:
 LONG_LIVED_CALLS = 1024
 HEALTH_CHECKS = 32
 OTHER_CALLS = LONG_LIVED_CALLS + HEALTH_CHECKS
+# More of gRPC's places, for calls on their way to being refused at once by the service's places or by
+# StreamLimit (each frees its place as it is refused): with gRPC's cap exactly the sum of both counts,
+# a client holding every embedding place and every health place with calls that sent no message had
+# a probe's Check refused by gRPC itself ("Concurrent RPC limit exceeded!"), before StreamLimit could
+# give it the place of a call waiting for its message (a review; auth is off by default).
+REFUSING_CALLS = 64
 
 
 # Half the 10 s floor of grpc-go's and grpc-java's client keepalive: a ping a little early (timer
@@ -263,8 +269,9 @@ def create_front(
     interceptors.append(StreamLimit(OTHER_CALLS, LONG_LIVED_CALLS, config.message_timeout_s))
     interceptors += [BearerAuth(token, metrics)] if token else []
     # gRPC's own cap on calls, over every service: the backstop for what the service's places and
-    # StreamLimit count (each of which gRPC reads whole as well), so neither takes the other's.
-    calls = config.max_concurrent_calls + config.max_waiting_calls + OTHER_CALLS
+    # StreamLimit count (each of which gRPC reads whole as well), so neither takes the other's, and
+    # room for the calls they refuse at once to reach them.
+    calls = config.max_concurrent_calls + config.max_waiting_calls + OTHER_CALLS + REFUSING_CALLS
     server = grpc.aio.server(
         options=grpc_options(config), interceptors=interceptors, maximum_concurrent_rpcs=calls
     )

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -256,6 +257,55 @@ def test_health_checks_that_send_no_request_cannot_take_the_services_places(serv
             health = health_pb2_grpc.HealthStub(channel)
             checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert checked.status == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_answers_while_every_embedding_place_and_every_health_place_is_held(
+    server: ServerProcess,
+) -> None:
+    """gRPC's cap was exactly the service's places plus health's: a client holding all of both with
+    calls that sent no message (auth is off by default) had a probe's Check refused by gRPC itself,
+    "Concurrent RPC limit exceeded!", before health's count could give it a waiting call's place (a
+    review). The Embed past the service's places is refused by the service, naming its limits."""
+
+    async def scenario() -> None:
+        # One front; a connection takes 1,024 streams at once (--max-concurrent-streams): the held
+        # calls on two, the probe's and the Embed on a third.
+        async with own_channel(server) as channel, own_channel(server) as other, own_channel(server) as probe:
+            never = asyncio.Event()
+
+            async def no_request(message: Any) -> AsyncIterator[Any]:
+                await never.wait()
+                yield message
+
+            embed = channel.stream_unary(
+                "/embedding.v1.EmbeddingService/Embed",
+                request_serializer=pb.EmbedRequest.SerializeToString,
+                response_deserializer=pb.EmbedResponse.FromString,
+            )
+            held = [embed(no_request(pb.EmbedRequest())) for _ in range(CALLS + WAITING)]
+            checks = [
+                ch.stream_unary(
+                    "/grpc.health.v1.Health/Check",
+                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                    response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                )
+                for ch in (channel, other)
+            ]
+            held += [checks[i % 2](no_request(health_pb2.HealthCheckRequest())) for i in range(OTHER_CALLS)]
+            await asyncio.sleep(2)
+            assert not any(c.done() for c in held)  # every place held
+            stub = pb_grpc.EmbeddingServiceStub(probe)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Embed(pb.EmbedRequest(texts=["one more"]), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Concurrent RPC limit" not in (refused.value.details() or "")
+            health = health_pb2_grpc.HealthStub(probe)
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+            for call in held:
+                call.cancel()
 
     asyncio.run(scenario())
 
