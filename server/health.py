@@ -92,7 +92,11 @@ class StreamLimit(grpc.aio.ServerInterceptor):
     (max_concurrent_calls + max_waiting_calls) they fit gRPC's cap, so neither takes the other's.
 
     Past either limit the call that has waited longest for its message gives its place to the new
-    one (RESOURCE_EXHAUSTED, saying so); only where none is waiting is the new call refused at once.
+    one (RESOURCE_EXHAUSTED, saying so). Past the streams' limit with none waiting, the oldest stream
+    of the connection holding the most gives its place up, where that connection holds more than the
+    newcomer's would with it: one connection holding every stream with Watches that did send their
+    message had every new client's channel health check (the project's client holds one Watch a
+    connection) refused, its calls UNAVAILABLE. Only where neither applies is the new call refused.
     A probe sends its message as it starts: before, an anonymous client that held every place with
     calls that never sent theirs, each opened again after `message_timeout_s`, had every probe's
     Check refused (an acceptance pass's finding, left open then), which Kubernetes' liveness probe
@@ -104,8 +108,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         self.message_timeout_s = message_timeout_s
         self.open = 0
         self.open_long_lived = 0
-        # Calls waiting for their message, oldest first: each one's place, told when it is taken.
-        self.waiting: dict[_Place, asyncio.Future[None]] = {}
+        self.waiting: dict[_Place, None] = {}  # calls waiting for their message, oldest first
+        self.streams: dict[str, dict[_Place, None]] = {}  # each connection's long-lived calls, oldest first
 
     async def intercept_service(
         self,
@@ -130,39 +134,49 @@ class StreamLimit(grpc.aio.ServerInterceptor):
 
             async def watched(requests: Any, context: grpc.aio.ServicerContext) -> None:
                 async with self._admitted(context, long_lived) as place:
-                    await watch(await self._first(requests, context, details.method, place), context)
+                    request = await self._first(requests, context, details.method, place)
+                    await self._until_taken(place, context, watch(request, context))
 
             return grpc.stream_stream_rpc_method_handler(watched, *codecs)
         if handler.stream_stream is not None:  # ServerReflectionInfo: reflection's yields its answers
             stream = handler.stream_stream
 
+            async def answered(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                answers = stream(requests, context)
+                if inspect.isasyncgen(answers):
+                    async for answer in answers:
+                        await context.write(answer)
+                else:
+                    await answers
+
             async def streamed(requests: Any, context: grpc.aio.ServicerContext) -> None:
-                async with self._admitted(context, long_lived):
-                    answers = stream(requests, context)
-                    if inspect.isasyncgen(answers):
-                        async for answer in answers:
-                            await context.write(answer)
-                    else:
-                        await answers
+                async with self._admitted(context, long_lived) as place:
+                    await self._until_taken(place, context, answered(requests, context))
 
             return grpc.stream_stream_rpc_method_handler(streamed, *codecs)
         return handler
 
     @contextlib.asynccontextmanager
     async def _admitted(self, context: grpc.aio.ServicerContext, long_lived: bool) -> AsyncIterator[_Place]:
-        """Counted open for the call's life (or until a newer call takes its place); past either limit
-        the oldest call still waiting for its message gives its place up, else this one is refused."""
-        place = _Place(long_lived)
+        """Counted open for the call's life, or until it gives its place up (`_give_up`). Past the
+        streams' bound a call waiting for its message gives its place up, else the oldest stream of
+        the connection that holds the most, where that is more than this call's connection would
+        hold with it; past the calls' bound a call waiting for its message; else this one is refused."""
+        place = _Place(long_lived, context.peer() or "", asyncio.get_running_loop().create_future())
         self.open += 1
-        self.open_long_lived += long_lived
+        if long_lived:
+            self.open_long_lived += 1
+            self.streams.setdefault(place.peer, {})[place] = None
         try:
-            if long_lived and self.open_long_lived > self.long_lived and not self._evict(long_lived=True):
+            held = len(self.streams.get(place.peer, ())) - 1
+            if long_lived and self.open_long_lived > self.long_lived and not self._take_a_stream(place):
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.long_lived} health Watch and reflection streams are open on this front "
-                    "process, its most: close one, or use health Check",
+                    f"process, its most ({held} on this connection, none with more than {held + 1}): "
+                    "close one, or use health Check",
                 )
-            if self.open > self.limit and not self._evict(long_lived=False):
+            if self.open > self.limit and not self._take_a_waiting_place(long_lived=False):
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.limit} health and reflection calls are open on this front process, its most: "
@@ -171,32 +185,80 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             yield place
         finally:
             if place.counted:
-                self.open -= 1
-                self.open_long_lived -= long_lived
+                self._uncount(place)
 
-    def _evict(self, long_lived: bool) -> bool:
-        """The oldest call waiting for its message (a long-lived one where `long_lived`) loses its
-        place, uncounted now; False where none waits."""
+    def _take_a_stream(self, newcomer: _Place) -> bool:
+        """A long-lived place for `newcomer`: a waiting call's, else the oldest stream of the connection
+        holding the most, where it holds more than the newcomer's would with it; False where neither."""
+        if self._take_a_waiting_place(long_lived=True):
+            return True
+        heaviest = max(self.streams, key=lambda peer: len(self.streams[peer]))
+        held = len(self.streams[heaviest])
+        if held <= len(self.streams[newcomer.peer]):
+            return False
+        victim = next(iter(self.streams[heaviest]))
+        self._give_up(
+            victim,
+            f"this connection held {held} of the {self.long_lived} health Watch and reflection streams "
+            "open on this front process, its most, more than any other, when another connection opened "
+            "one: its oldest gave its place up",
+        )
+        return True
+
+    def _take_a_waiting_place(self, long_lived: bool) -> bool:
+        """The oldest call waiting for its message (a long-lived one where `long_lived`) gives its
+        place up; False where none waits."""
         victim = next((p for p in self.waiting if p.long_lived or not long_lived), None)
         if victim is None:
             return False
-        self.waiting.pop(victim).set_result(None)
-        victim.counted = False
-        self.open -= 1
-        self.open_long_lived -= victim.long_lived
+        self._give_up(
+            victim,
+            f"the call's request had not come {time.monotonic() - victim.since:.1f} s after it began, and "
+            f"{self.limit} health and reflection calls ({self.long_lived} streams) were open on this front "
+            "process, its most: a newer call took its place",
+        )
         return True
+
+    def _give_up(self, place: _Place, why: str) -> None:
+        """`place` is uncounted now, and its call ended RESOURCE_EXHAUSTED saying `why`."""
+        self._uncount(place)
+        place.counted = False
+        place.taken.set_result(why)
+
+    def _uncount(self, place: _Place) -> None:
+        self.open -= 1
+        self.waiting.pop(place, None)
+        if place.long_lived:
+            self.open_long_lived -= 1
+            streams = self.streams[place.peer]
+            del streams[place]
+            if not streams:
+                del self.streams[place.peer]
+
+    async def _until_taken(
+        self, place: _Place, context: grpc.aio.ServicerContext, work: Awaitable[None]
+    ) -> None:
+        """`work`, ended where its place is taken (RESOURCE_EXHAUSTED, saying why)."""
+        running = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((running, place.taken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not running.done():
+                running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+        if place.taken.done():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, place.taken.result())
 
     async def _first(
         self, requests: Any, context: grpc.aio.ServicerContext, method: str, place: _Place
     ) -> Any:
         """The call's one request, within message_timeout_s of its start, as the service's calls';
-        meanwhile a newer call may take its place (`_evict`)."""
-        taken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting[place] = taken
-        started = time.monotonic()
+        meanwhile a newer call may take its place (`_take_a_waiting_place`)."""
+        self.waiting[place] = None
         reading = asyncio.ensure_future(one_request(requests, self.message_timeout_s, method, "it began"))
         try:
-            await asyncio.wait((reading, taken), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reading, place.taken), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.waiting.pop(place, None)
             if not reading.done():
@@ -206,14 +268,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             # cancellation was logged as the servicer's own error, with a traceback, every time.
             with contextlib.suppress(asyncio.CancelledError, InvalidInput, MessageLate):
                 await reading
-        if taken.done():  # uncounted now, its message come meanwhile or not
-            waited = time.monotonic() - started
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the {method} call's request had not come {waited:.1f} s after it began, and "
-                f"{self.limit} health and reflection calls ({self.long_lived} streams) were open on this "
-                "front process, its most: a newer call took its place",
-            )
+        if place.taken.done():  # uncounted now, its message come meanwhile or not
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {place.taken.result()}")
         try:
             return reading.result()
         except (InvalidInput, MessageLate) as e:
@@ -221,10 +277,14 @@ class StreamLimit(grpc.aio.ServerInterceptor):
 
 
 class _Place:
-    """One health or reflection call's place in StreamLimit's count."""
+    """One health or reflection call's place in StreamLimit's count: its connection (`peer`), and
+    `taken`, done (with the reason) once it has given its place up."""
 
-    __slots__ = ("counted", "long_lived")
+    __slots__ = ("counted", "long_lived", "peer", "since", "taken")
 
-    def __init__(self, long_lived: bool) -> None:
+    def __init__(self, long_lived: bool, peer: str, taken: asyncio.Future[str]) -> None:
         self.long_lived = long_lived
+        self.peer = peer
+        self.taken = taken
+        self.since = time.monotonic()
         self.counted = True

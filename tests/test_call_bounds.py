@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from minilm_embed.client.client import AsyncEmbeddingClient
 from minilm_embed.proto.embedding.v1 import embedding_pb2 as pb
 from minilm_embed.proto.embedding.v1 import embedding_pb2_grpc as pb_grpc
 from minilm_embed.server.budget import Places
@@ -184,11 +185,17 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
             named = (f"{LONG_LIVED_CALLS} health Watch and reflection streams are open", "a newer call took")
             assert all(any(n in (r.details() or "") for n in named) for r in refused), refused
             assert all(f"{LONG_LIVED_CALLS}" in (r.details() or "") for r in refused), refused
-            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-            info = reflection.ServerReflectionInfo()  # the same share
+            # A reflection stream is of the same share. On the connection holding more of the streams
+            # (sent together, they split unevenly), it is refused; on the other it would take a place
+            # of the first's (the next test).
+            held = [sum(not isinstance(f, grpc.aio.AioRpcError) for f in firsts[k::2]) for k in (0, 1)]
+            heavier = (channel, other)[held.index(max(held))]
+            reflection = reflection_pb2_grpc.ServerReflectionStub(heavier)
+            info = reflection.ServerReflectionInfo()
             with contextlib.suppress(grpc.aio.AioRpcError):  # refused before its request is read:
                 await info.write(reflection_pb2.ServerReflectionRequest(list_services=""))  # may race
             assert await info.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await info.details()
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
             embedding = pb_grpc.EmbeddingServiceStub(channel)
             answer = await embedding.Embed(pb.EmbedRequest(texts=["watched"]), timeout=30)
             assert len(answer.embeddings) == 1
@@ -203,6 +210,36 @@ def test_health_watches_past_their_share_are_refused_and_embed_and_check_still_a
             listed = await info.read()
             await info.done_writing()
             assert {s.name for s in listed.list_services_response.service} >= {"grpc.health.v1.Health"}
+
+    asyncio.run(scenario())
+
+
+def test_one_connection_holding_every_health_stream_gives_one_up_to_a_new_client(
+    server: ServerProcess,
+) -> None:
+    """Health Watch and reflection streams need no token: one connection could hold all
+    LONG_LIVED_CALLS of a front with Watches that did send their message, and every new client's
+    channel health check (the project's client holds one Watch a connection) was refused meanwhile,
+    its calls UNAVAILABLE (left open by an acceptance pass). Past the bound, a stream of the
+    connection holding the most, where it holds more than the newcomer's would, gives its place up."""
+
+    async def scenario() -> None:
+        async with own_channel(server) as channel:  # a connection takes 1,024 streams at once
+            health = health_pb2_grpc.HealthStub(channel)
+            calls = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(LONG_LIVED_CALLS)]
+            firsts = await asyncio.gather(*(c.read() for c in calls))
+            assert {f.status for f in firsts} == {health_pb2.HealthCheckResponse.SERVING}
+            async with AsyncEmbeddingClient(server.address, timeout=30) as client:  # a connection of its own
+                vectors = await client.embed(["a new client"])
+                assert len(vectors) == 1
+            await wait_until_async(lambda: any(c.done() for c in calls), 10)
+            ended = [c for c in calls if c.done()]
+            assert len(ended) == 1, len(ended)
+            assert await ended[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            named = f"held {LONG_LIVED_CALLS} of the {LONG_LIVED_CALLS} health Watch"
+            assert named in (await ended[0].details())
+            for call in calls:
+                call.cancel()
 
     asyncio.run(scenario())
 
@@ -250,7 +287,9 @@ def test_health_checks_that_send_no_request_cannot_take_the_services_places(serv
             health = health_pb2_grpc.HealthStub(other)  # a probe, every place held
             checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert checked.status == health_pb2.HealthCheckResponse.SERVING
-            assert sum(c.done() for c in calls) == checks - OTHER_CALLS + 1  # one more gave its place
+            gave = checks - OTHER_CALLS + 1  # one more gave its place
+            await wait_until_async(lambda: sum(c.done() for c in calls) >= gave, 10)
+            assert sum(c.done() for c in calls) == gave
             for call in calls:
                 call.cancel()
             await asyncio.sleep(0.5)
@@ -359,8 +398,12 @@ class Aborted(Exception):
 class FakeContext:
     """What StreamLimit asks of a call's context: abort, which ends the handler as gRPC's does."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: str = "ipv4:127.0.0.1:50000") -> None:
         self.aborted: tuple[grpc.StatusCode, str] | None = None
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
 
     async def abort(self, code: grpc.StatusCode, message: str, *_: object) -> None:
         self.aborted = (code, message)
@@ -412,6 +455,53 @@ def test_stream_limit_gives_the_place_of_the_call_waiting_longest_for_its_messag
         held.set()
         assert [await c for c in calls[1:]] == ["answer to b", "answer to c", "answer to d"]
         assert (limit.open, limit.open_long_lived, limit.waiting) == (0, 0, {})
+
+    asyncio.run(scenario())
+
+
+def test_stream_limit_shares_the_streams_among_connections() -> None:
+    """StreamLimit alone, three streams: a connection holding all three gives its oldest up to another
+    connection's stream, and again to a third's; then no connection holds more than a newcomer's
+    would (2 against 1 + 1), and the newcomer is refused, saying so. The counts end at zero."""
+    held = asyncio.Event()
+
+    async def watch(request: str, context: FakeContext) -> None:
+        await held.wait()
+
+    async def continuation(_: object) -> grpc.RpcMethodHandler:
+        return grpc.unary_stream_rpc_method_handler(watch)
+
+    async def scenario() -> None:
+        limit = StreamLimit(10, 3, message_timeout_s=30)
+        method = type("Details", (), {"method": "/grpc.health.v1.Health/Watch"})()
+        watched = (await limit.intercept_service(continuation, method)).stream_stream
+
+        async def request() -> AsyncIterator[str]:
+            yield "watch"
+
+        def call(peer: str) -> tuple[asyncio.Task[None], FakeContext]:
+            context = FakeContext(peer)
+            return asyncio.ensure_future(watched(request(), context)), context
+
+        first = [call("a") for _ in range(3)]
+        await wait_until_async(lambda: limit.open_long_lived == 3 and not limit.waiting, 5)
+        b = call("b")
+        with pytest.raises(Aborted, match="held 3 of the 3 health Watch and reflection streams"):
+            await first[0][0]
+        await wait_until_async(lambda: not limit.waiting, 5)
+        c = call("c")
+        with pytest.raises(Aborted, match="held 2 of the 3"):
+            await first[1][0]
+        await wait_until_async(lambda: not limit.waiting, 5)
+        assert {p: len(s) for p, s in limit.streams.items()} == {"a": 1, "b": 1, "c": 1}
+        d = call("b")  # b would hold 2, no one holds more than 1
+        refused = r"3 health Watch and reflection streams are open .* \(1 on this conn"
+        with pytest.raises(Aborted, match=refused):
+            await d[0]
+        held.set()
+        for task, _ in (first[2], b, c):
+            await task
+        assert (limit.open, limit.open_long_lived, limit.waiting, limit.streams) == (0, 0, {}, {})
 
     asyncio.run(scenario())
 
