@@ -82,6 +82,7 @@ class Front:
     engine: EngineClient
     readiness: Readiness
     manifest: Manifest
+    health_calls: StreamLimit
     http: HttpListener | None = None
 
 
@@ -266,7 +267,8 @@ def create_front(
     )
     token = secrets.token
     interceptors: list[Any] = [tracer.interceptor()] if tracer else []  # its span covers refusals too
-    interceptors.append(StreamLimit(OTHER_CALLS, LONG_LIVED_CALLS, config.message_timeout_s))
+    health_calls = StreamLimit(OTHER_CALLS, LONG_LIVED_CALLS, config.message_timeout_s)
+    interceptors.append(health_calls)
     interceptors += [BearerAuth(token, metrics)] if token else []
     # gRPC's own cap on calls, over every service: the backstop for what the service's places and
     # StreamLimit count (each of which gRPC reads whole as well), so neither takes the other's, and
@@ -289,7 +291,7 @@ def create_front(
     if http_address:  # its TLS from the bytes read at start, not from the settings' files
         http_config = secrets.with_tls_files(config)
         http = create_http(http_config, http_address, embedder, manifest, token)
-    return Front(config, server, port, service, engine, readiness, manifest, http)
+    return Front(config, server, port, service, engine, readiness, manifest, health_calls, http)
 
 
 async def start(front: Front) -> protocol.EngineFacts:
@@ -341,9 +343,11 @@ async def drain(
             places.waiting,
             http,
         )
-    # An open Watch or EmbedStream would hold the drain to its timeout: each ends (UNAVAILABLE), a
-    # stream once the requests it has read are answered.
+    # An open Watch, reflection stream or EmbedStream would hold the drain to its timeout: each ends
+    # (UNAVAILABLE), an EmbedStream once the requests it has read are answered, and so does a health
+    # call still waiting for its message.
     front.readiness.health.end_watches()
+    front.health_calls.end_all(reason)
     front.service.end_streams()
     timeout = front.config.drain_timeout_s
 

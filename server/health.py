@@ -110,6 +110,7 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         self.open_long_lived = 0
         self.waiting: dict[_Place, None] = {}  # calls waiting for their message, oldest first
         self.streams: dict[str, dict[_Place, None]] = {}  # each connection's long-lived calls, oldest first
+        self.ending = ""  # why every call ends at once: the server is shutting down (end_all)
 
     async def intercept_service(
         self,
@@ -162,6 +163,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
         streams' bound a call waiting for its message gives its place up, else the oldest stream of
         the connection that holds the most, where that is more than this call's connection would
         hold with it; past the calls' bound a call waiting for its message; else this one is refused."""
+        if self.ending:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.ending)
         place = _Place(long_lived, context.peer() or "", asyncio.get_running_loop().create_future())
         self.open += 1
         if long_lived:
@@ -176,7 +179,7 @@ class StreamLimit(grpc.aio.ServerInterceptor):
                     f"process, its most ({held} on this connection, none with more than {held + 1}): "
                     "close one, or use health Check",
                 )
-            if self.open > self.limit and not self._take_a_waiting_place(long_lived=False):
+            if self.open > self.limit and not self._take_a_waiting_place():
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.limit} health and reflection calls are open on this front process, its most: "
@@ -188,42 +191,63 @@ class StreamLimit(grpc.aio.ServerInterceptor):
                 self._uncount(place)
 
     def _take_a_stream(self, newcomer: _Place) -> bool:
-        """A long-lived place for `newcomer`: a waiting call's, else the oldest stream of the connection
-        holding the most, where it holds more than the newcomer's would with it; False where neither."""
-        if self._take_a_waiting_place(long_lived=True):
+        """A long-lived place for `newcomer`, taken from a connection holding at least as many streams
+        as the newcomer's does with it: its oldest call waiting for its message; else the oldest stream
+        of the connection holding the most, where it holds more; False where neither.
+
+        A waiting place is taken only from such a connection: a new client's Watch, its message come
+        with its headers but not read yet, was the one call waiting, and the connection holding every
+        other stream took that place back with its next Watch (a review: 16 of 102 new clients'
+        calls UNAVAILABLE)."""
+        mine = len(self.streams[newcomer.peer])
+        victim = next((p for p in self.waiting if p.long_lived and len(self.streams[p.peer]) >= mine), None)
+        if victim is not None:
+            self._give_up(victim, self._newer_took(victim))
             return True
         heaviest = max(self.streams, key=lambda peer: len(self.streams[peer]))
         held = len(self.streams[heaviest])
-        if held <= len(self.streams[newcomer.peer]):
+        if held <= mine:
             return False
-        victim = next(iter(self.streams[heaviest]))
         self._give_up(
-            victim,
+            next(iter(self.streams[heaviest])),
             f"this connection held {held} of the {self.long_lived} health Watch and reflection streams "
             "open on this front process, its most, more than any other, when another connection opened "
             "one: its oldest gave its place up",
         )
         return True
 
-    def _take_a_waiting_place(self, long_lived: bool) -> bool:
-        """The oldest call waiting for its message (a long-lived one where `long_lived`) gives its
-        place up; False where none waits."""
-        victim = next((p for p in self.waiting if p.long_lived or not long_lived), None)
+    def _take_a_waiting_place(self) -> bool:
+        """The oldest call waiting for its message gives its place up; False where none waits."""
+        victim = next(iter(self.waiting), None)
         if victim is None:
             return False
-        self._give_up(
-            victim,
-            f"the call's request had not come {time.monotonic() - victim.since:.1f} s after it began, and "
-            f"{self.limit} health and reflection calls ({self.long_lived} streams) were open on this front "
-            "process, its most: a newer call took its place",
-        )
+        self._give_up(victim, self._newer_took(victim))
         return True
 
-    def _give_up(self, place: _Place, why: str) -> None:
-        """`place` is uncounted now, and its call ended RESOURCE_EXHAUSTED saying `why`."""
+    def _newer_took(self, victim: _Place) -> str:
+        return (
+            f"the call's request had not come {time.monotonic() - victim.since:.1f} s after it began, and "
+            f"{self.limit} health and reflection calls ({self.long_lived} streams) were open on this front "
+            "process, its most: a newer call took its place"
+        )
+
+    def end_all(self, why: str) -> None:
+        """The server is shutting down: every stream and every call waiting for its message ends now
+        (UNAVAILABLE, saying `why`), and every call to come at once. An open reflection stream held
+        the drain to its timeout (21 s at the defaults; health's Watches end by themselves,
+        HealthServicer.end_watches), and a call still waiting for its message then (--message-timeout-s
+        outlasts --drain-timeout-s) was cut off by gRPC with a logged traceback (a review)."""
+        self.ending = why
+        for place in {*self.waiting, *(p for held in self.streams.values() for p in held)}:
+            self._give_up(place, why, grpc.StatusCode.UNAVAILABLE)
+
+    def _give_up(
+        self, place: _Place, why: str, code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
+    ) -> None:
+        """`place` is uncounted now, and its call ended with `code`, saying `why`."""
         self._uncount(place)
         place.counted = False
-        place.taken.set_result(why)
+        place.taken.set_result((code, why))
 
     def _uncount(self, place: _Place) -> None:
         self.open -= 1
@@ -248,7 +272,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             with contextlib.suppress(asyncio.CancelledError):
                 await running
         if place.taken.done():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, place.taken.result())
+            code, why = place.taken.result()
+            await context.abort(code, why)
 
     async def _first(
         self, requests: Any, context: grpc.aio.ServicerContext, method: str, place: _Place
@@ -269,7 +294,8 @@ class StreamLimit(grpc.aio.ServerInterceptor):
             with contextlib.suppress(asyncio.CancelledError, InvalidInput, MessageLate):
                 await reading
         if place.taken.done():  # uncounted now, its message come meanwhile or not
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {place.taken.result()}")
+            code, why = place.taken.result()
+            await context.abort(code, f"{method}: {why}")
         try:
             return reading.result()
         except (InvalidInput, MessageLate) as e:
@@ -282,7 +308,9 @@ class _Place:
 
     __slots__ = ("counted", "long_lived", "peer", "since", "taken")
 
-    def __init__(self, long_lived: bool, peer: str, taken: asyncio.Future[str]) -> None:
+    def __init__(
+        self, long_lived: bool, peer: str, taken: asyncio.Future[tuple[grpc.StatusCode, str]]
+    ) -> None:
         self.long_lived = long_lived
         self.peer = peer
         self.taken = taken

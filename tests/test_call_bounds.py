@@ -506,6 +506,50 @@ def test_stream_limit_shares_the_streams_among_connections() -> None:
     asyncio.run(scenario())
 
 
+def test_stream_limit_keeps_a_new_connections_stream_waiting_for_its_message_from_the_richest() -> None:
+    """A new client's Watch, its message come with its headers but not read yet, was the one call
+    waiting, and the connection holding every other stream took its place back with its next Watch
+    (a review: 16 of 102 new clients UNAVAILABLE). A waiting place goes only to a connection holding
+    no more than the waiting call's."""
+    held = asyncio.Event()
+
+    async def watch(request: str, context: FakeContext) -> None:
+        await held.wait()
+
+    async def continuation(_: object) -> grpc.RpcMethodHandler:
+        return grpc.unary_stream_rpc_method_handler(watch)
+
+    async def scenario() -> None:
+        limit = StreamLimit(10, 3, message_timeout_s=30)
+        method = type("Details", (), {"method": "/grpc.health.v1.Health/Watch"})()
+        watched = (await limit.intercept_service(continuation, method)).stream_stream
+        message: asyncio.Queue[str] = asyncio.Queue()
+
+        async def request(now: bool) -> AsyncIterator[str]:
+            yield "watch" if now else await message.get()
+
+        def call(peer: str, now: bool = True) -> asyncio.Task[None]:
+            return asyncio.ensure_future(watched(request(now), FakeContext(peer)))
+
+        richest = [call("a") for _ in range(3)]
+        await wait_until_async(lambda: limit.open_long_lived == 3 and not limit.waiting, 5)
+        newcomer = call("b", now=False)  # takes a's oldest; waits for its message
+        with pytest.raises(Aborted, match="held 3 of the 3"):
+            await richest[0]
+        await wait_until_async(lambda: len(limit.waiting) == 1, 5)
+        with pytest.raises(Aborted, match=r"\(2 on this connection"):
+            await call("a")  # refused: it does not take the newcomer's place back
+        assert not newcomer.done() and {p: len(s) for p, s in limit.streams.items()} == {"a": 2, "b": 1}
+        message.put_nowait("watch")
+        await wait_until_async(lambda: not limit.waiting, 5)
+        held.set()
+        for task in (*richest[1:], newcomer):
+            await task
+        assert (limit.open, limit.open_long_lived, limit.waiting, limit.streams) == (0, 0, {}, {})
+
+    asyncio.run(scenario())
+
+
 def own_channel(server: ServerProcess) -> grpc.aio.Channel:
     """A channel with a connection of its own (gRPC shares one between channels alike)."""
     return grpc.aio.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1093,6 +1093,48 @@ def test_an_open_health_watch_ends_unavailable_at_the_drain_and_does_not_hold_it
         "the server is shutting down",
     )
     assert code == 0
+    drained = [line for line in server.lines if "gRPC drained in" in line or "were cancelled" in line]
+    assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
+
+
+def test_open_reflection_streams_and_health_calls_without_their_message_end_at_the_drain() -> None:
+    """An open reflection stream held the drain to its timeout (21 s at the defaults), and a health
+    Check or Watch still waiting for its message (--message-timeout-s outlasts the drain) was cut off
+    there by gRPC with a logged traceback, one a call, for any anonymous client (a review). Each ends
+    UNAVAILABLE at the drain now, and nothing is logged for them."""
+
+    async def scenario(server: ServerProcess) -> list[tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            never = asyncio.Event()
+
+            async def no_request() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+                await never.wait()
+                yield health_pb2.HealthCheckRequest()
+
+            codecs = {
+                "request_serializer": health_pb2.HealthCheckRequest.SerializeToString,
+                "response_deserializer": health_pb2.HealthCheckResponse.FromString,
+            }
+            check = channel.stream_unary("/grpc.health.v1.Health/Check", **codecs)(no_request())
+            watch = channel.stream_stream("/grpc.health.v1.Health/Watch", **codecs)(no_request())
+            info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await info.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            assert (await info.read()).list_services_response.service  # open, answered, kept open
+            await asyncio.sleep(0.5)
+            server.terminate()
+            ended = []
+            for call in (check, watch, info):
+                ended.append((await call.code(), await call.details()))
+            return ended
+
+    with serving("--drain-timeout-s", "60") as server:
+        ended = asyncio.run(scenario(server))
+        code = server.wait(30)  # half the drain timeout: a held drain would take all 60 s
+    assert code == 0
+    assert [c for c, _ in ended] == [grpc.StatusCode.UNAVAILABLE] * 3, ended
+    assert all("the server is shutting down" in d for _, d in ended), ended
+    logged = "".join(server.lines)
+    assert "Traceback" not in logged and "ERROR" not in logged, logged[-3000:]
     drained = [line for line in server.lines if "gRPC drained in" in line or "were cancelled" in line]
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
