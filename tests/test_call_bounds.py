@@ -463,10 +463,9 @@ def test_stream_limit_gives_the_place_of_the_call_waiting_longest_for_its_messag
     asyncio.run(scenario())
 
 
-def test_stream_limit_shares_the_streams_among_connections() -> None:
-    """StreamLimit alone, three streams: a connection holding all three gives its oldest up to another
-    connection's stream, and again to a third's; then no connection holds more than a newcomer's
-    would (2 against 1 + 1), and the newcomer is refused, saying so. The counts end at zero."""
+async def watches_held_open() -> tuple[StreamLimit, Callable[..., Any], asyncio.Event]:
+    """StreamLimit alone (10 calls, 3 streams) over a Watch handler that stays open until the event
+    is set: the limit, its Watch handler, the event."""
     held = asyncio.Event()
 
     async def watch(request: str, context: FakeContext) -> None:
@@ -475,10 +474,18 @@ def test_stream_limit_shares_the_streams_among_connections() -> None:
     async def continuation(_: object) -> grpc.RpcMethodHandler:
         return grpc.unary_stream_rpc_method_handler(watch)
 
+    limit = StreamLimit(10, 3, message_timeout_s=30)
+    method = type("Details", (), {"method": "/grpc.health.v1.Health/Watch"})()
+    return limit, (await limit.intercept_service(continuation, method)).stream_stream, held
+
+
+def test_stream_limit_shares_the_streams_among_connections() -> None:
+    """StreamLimit alone, three streams: a connection holding all three gives its oldest up to another
+    connection's stream, and again to a third's; then no connection holds more than a newcomer's
+    would (2 against 1 + 1), and the newcomer is refused, saying so. The counts end at zero."""
+
     async def scenario() -> None:
-        limit = StreamLimit(10, 3, message_timeout_s=30)
-        method = type("Details", (), {"method": "/grpc.health.v1.Health/Watch"})()
-        watched = (await limit.intercept_service(continuation, method)).stream_stream
+        limit, watched, held = await watches_held_open()
 
         async def request() -> AsyncIterator[str]:
             yield "watch"
@@ -515,18 +522,9 @@ def test_stream_limit_keeps_a_new_connections_stream_waiting_for_its_message_fro
     waiting, and the connection holding every other stream took its place back with its next Watch
     (a review: 16 of 102 new clients UNAVAILABLE). A waiting place goes only to a connection holding
     no more than the waiting call's."""
-    held = asyncio.Event()
-
-    async def watch(request: str, context: FakeContext) -> None:
-        await held.wait()
-
-    async def continuation(_: object) -> grpc.RpcMethodHandler:
-        return grpc.unary_stream_rpc_method_handler(watch)
 
     async def scenario() -> None:
-        limit = StreamLimit(10, 3, message_timeout_s=30)
-        method = type("Details", (), {"method": "/grpc.health.v1.Health/Watch"})()
-        watched = (await limit.intercept_service(continuation, method)).stream_stream
+        limit, watched, held = await watches_held_open()
         message: asyncio.Queue[str] = asyncio.Queue()
 
         async def request(now: bool) -> AsyncIterator[str]:
