@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -345,6 +346,10 @@ class Batcher:
     _running: int = 0  # batches handed to a model thread, computing or waiting there for an instance
     # Batches handed to a model thread -> [when its run began on an instance; inf while it waits for one].
     _runs: dict[object, list[float]] = field(default_factory=dict)
+    # With `ahead`: those of _runs whose thread does not yet hold an instance, as the loop last heard.
+    # At most `ahead` of them at once, so no batch taken later can take an instance from one taken
+    # earlier (an instance goes to whichever thread asks first once it is free, not to the oldest).
+    _unheld: set[object] = field(default_factory=set)
     # Inputs waiting for their turn: those in the queue less those of requests already ended (their
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
@@ -517,10 +522,12 @@ class Batcher:
 
         A batch prepared ahead (while every instance computes) is taken only when a full one waits,
         by its inputs or by its tokens: a part batch waits for an instance to come free, gathering
-        what arrives meanwhile, as it would without `ahead`.
+        what arrives meanwhile, as it would without `ahead`. And only once those prepared before it
+        hold an instance: batches then run in the order taken (a bulk request's rows in order, the
+        interactive inputs a prepared batch was given back for before what came after them).
         """
         while True:
-            while not self._queue:
+            while not self._queue or (self.ahead and len(self._unheld) >= self.ahead):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if (self._interactive or len(self._queue)) >= self.limits.max_batch_size or not self._running:
@@ -702,16 +709,35 @@ class Batcher:
         loop = asyncio.get_running_loop()
         key, began = object(), [math.inf]
         self._runs[key] = began
+        held = None
+        if self.ahead:
+            self._unheld.add(key)
+            held = functools.partial(loop.call_soon_threadsafe, self._held, key)
         try:
-            return await loop.run_in_executor(self._executor, self._compute, began, ids, lengths, wanted)
+            compute = functools.partial(self._compute, began, ids, lengths, wanted, held)
+            return await loop.run_in_executor(self._executor, compute)
         finally:
             del self._runs[key]
+            self._held(key)
+
+    def _held(self, key: object) -> None:
+        """A batch's thread holds an instance (or is done): the next batch may be prepared."""
+        if key in self._unheld:
+            self._unheld.discard(key)
+            self._wakeup.set()
 
     def _compute(
-        self, began: list[float], ids: np.ndarray, lengths: np.ndarray, wanted: Callable[[], bool] | None
+        self,
+        began: list[float],
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        wanted: Callable[[], bool] | None,
+        held: Callable[[], object] | None,
     ) -> tuple[tuple[np.ndarray, np.ndarray], float, float] | None:
         # On a model thread. The wait for an instance (a batch prepared ahead) is no part of the run.
         with self.instance() if self.instance is not None else contextlib.nullcontext(self.run) as run:
+            if held is not None:
+                held()
             if wanted is not None and not wanted():
                 return None
             began[0] = started = time.monotonic()
