@@ -720,7 +720,11 @@ def wait_for_staging(process: subprocess.Popen[str], out: Path) -> Path:
         assert time.monotonic() < deadline, "no staging directory appeared"
         time.sleep(0.01)
     time.sleep(0.3)  # well inside the build, not between creating the directory and guarding it
-    return staging_dirs(out)[0]
+    # Once in CI (2026-11-30) the directory was gone 0.3 s after it appeared, where the export takes
+    # ~10 s to fill it here: the export's own words, if it ended, say why next time.
+    found = staging_dirs(out)
+    assert found, process.communicate() if process.poll() is not None else "the export still runs"
+    return found[0]
 
 
 def test_ctrl_c_removes_the_staging_directory_and_says_out_is_unchanged(tmp_path):
