@@ -334,14 +334,18 @@ async def drain(
     if not supervisor_gone():
         await asyncio.sleep(min(SHUTDOWN_NOTICE_S, front.config.drain_timeout_s))
     places = front.service.places
+    # Health and reflection calls are open too: one whose client stopped reading its answers cannot
+    # be sent its end past them, and holds the drain to its timeout (a review: "drained in 20.00s").
+    health = front.health_calls.open
     if served:
         http = f", {front.http.calls} HTTP calls being served" if front.http is not None else ""
         log.info(
-            "front %d: draining: %d gRPC calls being served, %d waiting%s",
+            "front %d: draining: %d gRPC calls being served, %d waiting%s, %d health and reflection calls",
             index,
             places.taken,
             places.waiting,
             http,
+            health,
         )
     # An open Watch, reflection stream or EmbedStream would hold the drain to its timeout: each ends
     # (UNAVAILABLE), an EmbedStream once the requests it has read are answered, and so does a health
@@ -371,7 +375,7 @@ async def drain(
     )
     # What was open as the listeners stop: at --drain-timeout-s 0 every stop takes "the timeout", and
     # said that calls were cancelled when none was open.
-    open_calls = {"gRPC": places.taken + places.waiting}
+    open_calls = {"gRPC": places.taken + places.waiting + health}
     stopping = {"gRPC": _seconds(front.server.stop(timeout))}
     if front.http is not None:
         open_calls["HTTP"] = front.http.calls

@@ -1139,6 +1139,38 @@ def test_open_reflection_streams_and_health_calls_without_their_message_end_at_t
     assert len(drained) == 1 and "gRPC drained in" in drained[0], drained
 
 
+def test_a_reflection_stream_whose_client_stopped_reading_holds_the_drain_and_the_log_says_so() -> None:
+    """A client that sends reflection requests and never reads the answers: the stream's end cannot be
+    sent past them, so it holds the drain to its timeout, and gRPC cancels it there. The log said
+    "gRPC drained in 20.00s", its count of open calls being the embedding service's only (a review)."""
+    symbol = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+
+    async def scenario(server: ServerProcess) -> None:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+
+            async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+                for _ in range(3000):  # ~10 MB of answers: past every window and socket buffer
+                    yield reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+                await asyncio.Event().wait()
+
+            info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(requests())
+            assert (await info.read()).file_descriptor_response.file_descriptor_proto  # then no more reads
+            await asyncio.sleep(2)
+            server.terminate()
+            await asyncio.to_thread(server.wait, 30)
+            info.cancel()
+
+    with serving("--drain-timeout-s", "2") as server:
+        asyncio.run(scenario(server))
+    assert server.proc.returncode == 0
+    said = [line for line in server.lines if "front 0" in line]
+    assert any("draining: 0 gRPC calls being served, 0 waiting" in line for line in said), said
+    assert any(", 1 health and reflection calls" in line for line in said), said
+    drained = [line for line in said if "gRPC drained in" in line or "were cancelled" in line]
+    assert len(drained) == 1, drained
+    assert "WARNING" in drained[0] and "calls open past the drain timeout (2s) were cancelled" in drained[0]
+
+
 def test_a_drain_with_no_call_open_says_nothing_was_cancelled_even_at_a_zero_timeout():
     """At --drain-timeout-s 0 each listener's stop takes "the timeout": an operator's pass saw
     "calls open past the drain timeout (0s) were cancelled" after "0 gRPC calls being served"."""
