@@ -346,9 +346,10 @@ class Batcher:
     _running: int = 0  # batches handed to a model thread, computing or waiting there for an instance
     # Batches handed to a model thread -> [when its run began on an instance; inf while it waits for one].
     _runs: dict[object, list[float]] = field(default_factory=dict)
-    # With `ahead`: those of _runs whose thread does not yet hold an instance, as the loop last heard.
-    # At most `ahead` of them at once, so no batch taken later can take an instance from one taken
-    # earlier (an instance goes to whichever thread asks first once it is free, not to the oldest).
+    # With `ahead`: those of _runs not yet running on an instance (or given back), as the loop last
+    # heard. At most `ahead` of them at once: with one (engine.BATCHES_AHEAD), no batch taken later can
+    # take an instance from one taken earlier (an instance goes to whichever thread asks first once it
+    # is free, not to the oldest); with more, those waiting at once can still overtake each other.
     _unheld: set[object] = field(default_factory=set)
     # Inputs waiting for their turn: those in the queue less those of requests already ended (their
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
@@ -721,7 +722,8 @@ class Batcher:
             self._held(key)
 
     def _held(self, key: object) -> None:
-        """A batch's thread holds an instance (or is done): the next batch may be prepared."""
+        """A batch runs on an instance, or is back from its thread (done, or given back and in the
+        queue again): the next batch may be prepared."""
         if key in self._unheld:
             self._unheld.discard(key)
             self._wakeup.set()
@@ -736,10 +738,10 @@ class Batcher:
     ) -> tuple[tuple[np.ndarray, np.ndarray], float, float] | None:
         # On a model thread. The wait for an instance (a batch prepared ahead) is no part of the run.
         with self.instance() if self.instance is not None else contextlib.nullcontext(self.run) as run:
+            if wanted is not None and not wanted():
+                return None  # given back: the next batch is taken once it is in the queue again
             if held is not None:
                 held()
-            if wanted is not None and not wanted():
-                return None
             began[0] = started = time.monotonic()
             outputs = run(ids, lengths)
             return outputs, started, time.monotonic() - started

@@ -356,6 +356,65 @@ def test_batches_prepared_ahead_run_in_the_order_taken_when_a_later_one_could_ta
     assert one.model.first_ids_by_batch() == [[10, 11], [12, 13], [14, 15], [16, 17]]
 
 
+class LateGivers(Instances):
+    """Instances whose thread, after holding one only to give its batch back, is slow to come back
+    (0.2 s: a thread descheduled there, by the GIL or a busy core)."""
+
+    @contextlib.contextmanager
+    def instance(self):
+        ran = []
+
+        def run(ids, lengths):
+            ran.append(True)
+            return self.run(ids, lengths)
+
+        with super().instance():
+            yield run
+        if not ran:
+            time.sleep(0.2)
+
+
+class GateEach(FakeModel):
+    """A batch whose first id is one of `gated` waits for its own gate, the others for `gate`."""
+
+    def __init__(self, *gated: int) -> None:
+        super().__init__(blocked=True)
+        self.gates = {first: threading.Event() for first in gated}
+
+    def gate_of(self, ids: np.ndarray) -> threading.Event:
+        return self.gates.get(int(ids[0, 0]), self.gate)
+
+
+def test_with_two_instances_a_bulk_batch_given_back_runs_before_the_later_ones_of_its_request():
+    # [10, 11] and [12, 13] compute on the two instances, [14, 15] prepared ahead; an interactive
+    # input comes, so [14, 15] is given back once it holds an instance. The next batch was taken as
+    # soon as [14, 15] held one, before it was back in the queue: [16, 17] ran before it (a review,
+    # 5-7 runs in 30 without the slow thread).
+    two = LateGivers(GateEach(10, 12), count=2)
+    limits = BatchLimits(64, 2, 0.0, 64)
+    batcher = Batcher(two.model.run, limits, Metrics(), pad_id=PAD, workers=2, ahead=1, instance=two.instance)
+
+    async def scenario():
+        batcher.start()
+        try:
+            bulk = batcher.enqueue(Rows.of([[10 + i, 5] for i in range(10)]), bulk=True)
+            await wait_until(lambda: len(two.model.batches) == 2 and batcher.depth == 4)
+            interactive = asyncio.create_task(submit(batcher, [[50, 5]]))
+            await asyncio.sleep(0.02)
+            for gate in (two.model.gate, *two.model.gates.values()):
+                gate.set()
+            return first_ids(await bulk.future), first_ids(await interactive)
+        finally:
+            await batcher.stop()
+
+    assert run(scenario) == (list(range(10, 20)), [50])
+    bulk_order = [i for ids in two.model.first_ids_by_batch() for i in ids if i != 50]
+    # [10, 11] and [12, 13] compute at once, in either order; then the rest in the order taken.
+    assert sorted(bulk_order[:4]) == list(range(10, 14)) and bulk_order[4:] == list(range(14, 20))
+    assert sample(batcher, "embed_batches_given_back_total") == 1
+    assert sample(batcher, "embed_queue_depth") == 0
+
+
 def test_a_part_batch_is_not_prepared_ahead_but_gathers_what_arrives_while_the_instance_computes():
     # Prepared early, a part batch would hold only what came before it, leaving what arrives during
     # the run to a batch of its own: more, smaller runs at a moderate load.
