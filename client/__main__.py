@@ -226,6 +226,18 @@ def security(args: argparse.Namespace) -> Security:
         raise UsageError(f"{source}: {e}") from None
 
 
+def token_hint(args: argparse.Namespace, code: grpc.StatusCode) -> str:
+    """For UNAUTHENTICATED, how this client sends a token, or where the refused one came from (a new
+    user's pass: the server's words name the metadata, not the flag)."""
+    if code != grpc.StatusCode.UNAUTHENTICATED:
+        return ""
+    if args.token_file:
+        return f" (the token from --token-file {args.token_file} was refused)"
+    if os.environ.get("EMBED_TOKEN", "").strip():
+        return " (the token from EMBED_TOKEN was refused)"
+    return " (this client sends the token from --token-file FILE, or EMBED_TOKEN)"
+
+
 def cmd_embed(args: argparse.Namespace) -> int:
     for i, text in enumerate(args.texts):
         check_argument(text, i)
@@ -447,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # inside the try: a reader that went away is caught below, not at exit
         return code
     except grpc.RpcError as e:
-        report(f"{e.code().name}: {in_flags(e.details() or '')}", e)
+        report(f"{e.code().name}: {in_flags(e.details() or '')}{token_hint(args, e.code())}", e)
         return 1
     except (bulk.GraphChanged, bulk.LimitsChanged) as e:
         report(str(e), e)

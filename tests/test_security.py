@@ -398,7 +398,17 @@ def test_the_cli_embeds_over_tls_with_a_token_file_and_refuses_without_it(tls_se
     refused = cli(*address, "info")
     assert refused.returncode == 1
     assert "UNAUTHENTICATED" in refused.stderr
-    assert TOKEN not in done.stdout + done.stderr + refused.stderr
+    # The server's words name the metadata; the CLI says how it sends a token, or whose was refused.
+    assert "(this client sends the token from --token-file FILE, or EMBED_TOKEN)" in refused.stderr
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    refused_file = cli(*address, "--token-file", str(wrong), "info")
+    refused_env = cli(*address, "info", env={"EMBED_TOKEN": "not-the-token"})
+    assert refused_file.returncode == refused_env.returncode == 1
+    assert f"(the token from --token-file {wrong} was refused)" in refused_file.stderr
+    assert "(the token from EMBED_TOKEN was refused)" in refused_env.stderr
+    said = done.stdout + done.stderr + refused.stderr + refused_file.stderr + refused_env.stderr
+    assert TOKEN not in said and "not-the-token" not in said
 
 
 def test_the_cli_does_mutual_tls_with_the_token_from_the_environment(mtls_server, pki):
