@@ -55,6 +55,9 @@ class ParityError(Exception):
     """The exported model is not close enough to the reference; the message says which check."""
 
 
+SKIPPED = "skipped: "  # a Check's note when it was not run (it then counts as passed)
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -99,10 +102,13 @@ class ParityReport:
         return all(c.passed for c in self.checks)
 
     def table(self) -> str:
-        lines = [f"{'check':<34} {'result':<6} figures", "-" * 78]
+        lines = [f"{'check':<34} {'result':<7} figures", "-" * 78]
         for c in self.checks:
-            verdict = "ok" if c.passed else "FAIL"
-            lines.append(f"{c.name:<34} {verdict:<6} {c.note or c.reason().split(': ', 1)[1]}")
+            # A check not run reads "skipped", not "ok" (a new user's pass).
+            skipped = c.passed and c.note.startswith(SKIPPED)
+            verdict = "FAIL" if not c.passed else "skipped" if skipped else "ok"
+            note = c.note.removeprefix(SKIPPED) if skipped else c.note
+            lines.append(f"{c.name:<34} {verdict:<7} {note or c.reason().split(': ', 1)[1]}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
@@ -263,7 +269,7 @@ def run_parity(
     else:
         want = ours[: len(rows)]
         checks.append(
-            Check("1 pytorch vs sentence-transformers", True, note="skipped: no reference for this config")
+            Check("1 pytorch vs sentence-transformers", True, note=SKIPPED + "no reference for this config")
         )
     checks.append(
         compare(
@@ -300,7 +306,7 @@ def _spearman_check(
 ) -> Check:
     name = "4 sts-b dev spearman (onnx vs ref)"
     if not pairs:
-        return Check(name, True, note="skipped: no data directory given")
+        return Check(name, True, note=SKIPPED + "no data directory given")
     got = spearman_x100(dict(zip(texts, exported, strict=True)), pairs)
     ref = spearman_x100(dict(zip(texts, want, strict=True)), pairs)
     figures = {"spearman_onnx": got, "spearman_reference": ref, "gap": abs(got - ref)}

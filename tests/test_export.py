@@ -44,7 +44,9 @@ from minilm_embed.export.parity import (
     MAX_ABS_DIFF,
     MAX_SPEARMAN_GAP,
     MIN_COSINE,
+    Check,
     ParityError,
+    ParityReport,
     batch_invariance,
     compare,
     onnx_embedder,
@@ -249,6 +251,24 @@ def test_manifest_records_every_parity_check_passed(manifest):
     for check in parity["checks"][:2]:
         assert check["max_abs_diff"] <= MAX_ABS_DIFF
     assert parity["checks"][3]["note"] == "skipped: no data directory given"
+
+
+def test_the_gate_table_reads_skipped_for_a_check_not_run_and_fail_for_a_failed_one():
+    # A new user's pass: "4 sts-b dev spearman (onnx vs ref) ok     skipped: no data directory given".
+    report = ParityReport(
+        [
+            Check("1 a check run", True, {"min_cosine": 0.99999}),
+            Check("2 a check not run", True, note="skipped: no data directory given"),
+            Check("3 a failed check", False, {"min_cosine": 0.5}),
+        ],
+        inputs=3,
+    )
+    rows = [line[34:].split(None, 1) for line in report.table().splitlines()[2:]]  # after the names
+    assert rows == [
+        ["ok", "min_cosine 0.99999"],
+        ["skipped", "no data directory given"],
+        ["FAIL", "min_cosine 0.5"],
+    ]
 
 
 def test_onnx_model_passes_the_checker_with_the_declared_versions(exported, manifest):
