@@ -211,10 +211,15 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--retries must be at least 0, not {args.retries}")
 
 
+def token_source(args: argparse.Namespace) -> str:
+    """Where this client's token comes from: --token-file, else EMBED_TOKEN."""
+    return f"--token-file {args.token_file}" if args.token_file else "EMBED_TOKEN"
+
+
 def security(args: argparse.Namespace) -> Security:
     """The token from --token-file, else EMBED_TOKEN; one that is not UTF-8, or that no header can
     carry, is the user's to fix and is said as such, naming where it came from."""
-    source = f"--token-file {args.token_file}" if args.token_file else "EMBED_TOKEN"
+    source = token_source(args)
     try:
         token = (
             args.token_file.read_text(encoding="utf-8") if args.token_file else os.environ.get("EMBED_TOKEN")
@@ -231,10 +236,8 @@ def token_hint(args: argparse.Namespace, code: grpc.StatusCode) -> str:
     user's pass: the server's words name the metadata, not the flag)."""
     if code != grpc.StatusCode.UNAUTHENTICATED:
         return ""
-    if args.token_file:
-        return f" (the token from --token-file {args.token_file} was refused)"
-    if os.environ.get("EMBED_TOKEN", "").strip():
-        return " (the token from EMBED_TOKEN was refused)"
+    if args.token_file or os.environ.get("EMBED_TOKEN", "").strip():
+        return f" (the token from {token_source(args)} was refused)"
     return " (this client sends the token from --token-file FILE, or EMBED_TOKEN)"
 
 

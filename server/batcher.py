@@ -345,12 +345,10 @@ class Batcher:
     _executor: ThreadPoolExecutor | None = None
     _running: int = 0  # batches handed to a model thread, computing or waiting there for an instance
     # Batches handed to a model thread -> [when its run began on an instance; inf while it waits for one].
+    # With `ahead`, at most `ahead` wait at once: with one (engine.BATCHES_AHEAD), no batch taken later
+    # can take an instance from one taken earlier (an instance goes to whichever thread asks first once
+    # it is free, not to the oldest); with more, those waiting at once can still overtake each other.
     _runs: dict[object, list[float]] = field(default_factory=dict)
-    # With `ahead`: those of _runs not yet running on an instance (or given back), as the loop last
-    # heard. At most `ahead` of them at once: with one (engine.BATCHES_AHEAD), no batch taken later can
-    # take an instance from one taken earlier (an instance goes to whichever thread asks first once it
-    # is free, not to the oldest); with more, those waiting at once can still overtake each other.
-    _unheld: set[object] = field(default_factory=set)
     # Inputs waiting for their turn: those in the queue less those of requests already ended (their
     # caller cancelled, or one of their inputs failed), which stay in the queue until its head
     # reaches them and are dropped there, but hold no place in it: admission and depth count these.
@@ -528,7 +526,7 @@ class Batcher:
         interactive inputs a prepared batch was given back for before what came after them).
         """
         while True:
-            while not self._queue or (self.ahead and len(self._unheld) >= self.ahead):
+            while not self._queue or (self.ahead and self._waiting_for_instance() >= self.ahead):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             if (self._interactive or len(self._queue)) >= self.limits.max_batch_size or not self._running:
@@ -710,23 +708,18 @@ class Batcher:
         loop = asyncio.get_running_loop()
         key, began = object(), [math.inf]
         self._runs[key] = began
-        held = None
-        if self.ahead:
-            self._unheld.add(key)
-            held = functools.partial(loop.call_soon_threadsafe, self._held, key)
+        # With `ahead`, a run's start wakes the loop: the next batch may be prepared (_wait_for_batch).
+        # A batch given back frees it from _runs, _run_batch's wake-up following once it is queued again.
+        began_wakes = functools.partial(loop.call_soon_threadsafe, self._wakeup.set) if self.ahead else None
         try:
-            compute = functools.partial(self._compute, began, ids, lengths, wanted, held)
+            compute = functools.partial(self._compute, began, ids, lengths, wanted, began_wakes)
             return await loop.run_in_executor(self._executor, compute)
         finally:
             del self._runs[key]
-            self._held(key)
 
-    def _held(self, key: object) -> None:
-        """A batch runs on an instance, or is back from its thread (done, or given back and in the
-        queue again): the next batch may be prepared."""
-        if key in self._unheld:
-            self._unheld.discard(key)
-            self._wakeup.set()
+    def _waiting_for_instance(self) -> int:
+        """Batches handed to a model thread that have not begun their run on an instance."""
+        return sum(began[0] == math.inf for began in self._runs.values())
 
     def _compute(
         self,
@@ -734,15 +727,15 @@ class Batcher:
         ids: np.ndarray,
         lengths: np.ndarray,
         wanted: Callable[[], bool] | None,
-        held: Callable[[], object] | None,
+        began_wakes: Callable[[], object] | None,
     ) -> tuple[tuple[np.ndarray, np.ndarray], float, float] | None:
         # On a model thread. The wait for an instance (a batch prepared ahead) is no part of the run.
         with self.instance() if self.instance is not None else contextlib.nullcontext(self.run) as run:
             if wanted is not None and not wanted():
                 return None  # given back: the next batch is taken once it is in the queue again
-            if held is not None:
-                held()
             began[0] = started = time.monotonic()
+            if began_wakes is not None:
+                began_wakes()
             outputs = run(ids, lengths)
             return outputs, started, time.monotonic() - started
 
