@@ -732,19 +732,33 @@ def staging_dirs(out: Path) -> list[Path]:
     return sorted(p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
-def wait_for_staging(process: subprocess.Popen[str], out: Path) -> Path:
-    """The export's staging directory, once it is being written (the checkpoint being loaded)."""
+def frozen_in_staging(process: subprocess.Popen[str], out: Path) -> Path:
+    """The export's staging directory, with the export stopped (SIGSTOP) inside the guard that removes
+    it (its marker written). The directory is looked for only while the export is stopped: a test
+    process not scheduled for seconds (seen in CI: the directory was gone, the export done, 0.3 s of
+    sleep after it had appeared) cannot let the export finish between the look and the signal sent
+    next. The caller sends its signal, then SIGCONT."""
     deadline = time.monotonic() + 60
-    while not staging_dirs(out):
+    while True:
+        process.send_signal(signal.SIGSTOP)
+        while process_state(process.pid) not in ("T", "t", "Z", None):
+            time.sleep(0.001)
+        found = [d for d in staging_dirs(out) if (d / export_main().STAGING_MARKER).is_file()]
+        if found:
+            return found[0]
+        process.send_signal(signal.SIGCONT)
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "no staging directory appeared"
         time.sleep(0.01)
-    time.sleep(0.3)  # well inside the build, not between creating the directory and guarding it
-    # Once in CI (2026-11-30) the directory was gone 0.3 s after it appeared, where the export takes
-    # ~10 s to fill it here: the export's own words, if it ended, say why next time.
-    found = staging_dirs(out)
-    assert found, process.communicate() if process.poll() is not None else "the export still runs"
-    return found[0]
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (T: stopped), None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
 
 
 def test_ctrl_c_removes_the_staging_directory_and_says_out_is_unchanged(tmp_path):
@@ -752,8 +766,9 @@ def test_ctrl_c_removes_the_staging_directory_and_says_out_is_unchanged(tmp_path
     out.mkdir()
     (out / "manifest.json").write_text("the previous repository")
     process = export_process(tiny_checkpoint(tmp_path / "ckpt"), out)
-    wait_for_staging(process, out)
-    process.send_signal(signal.SIGINT)
+    frozen_in_staging(process, out)
+    process.send_signal(signal.SIGINT)  # delivered as the export goes on
+    process.send_signal(signal.SIGCONT)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr + stdout
@@ -771,9 +786,9 @@ def test_the_next_export_removes_a_killed_exports_staging_directory_and_no_other
     out = tmp_path / "out"
     ckpt = tiny_checkpoint(tmp_path / "ckpt")
     process = export_process(ckpt, out)
-    left = wait_for_staging(process, out)
+    left = frozen_in_staging(process, out)
     killed = process.pid
-    process.kill()
+    process.kill()  # stopped or not
     process.communicate(timeout=60)
     assert left.is_dir()
     # A directory of the same shape of name that the export did not write is named, never removed.
