@@ -17,7 +17,8 @@ caller alive; --http-only runs just this comparison.
 Low precision (--low-precision, only this): the int8 graph served (--precision int8) beside fp32
 served, at 64 callers x 1 and x 32 sentences, against each graph's in-process ceiling and
 sentence-transformers in process (the first 1,000 distinct sentences, batch 32, every core; fp32,
-and bf16 where torch has a native bf16 kernel: AVX-512 BF16 or AMX), written to
+and bf16 where torch has a native bf16 kernel: AVX-512 BF16 or AMX; its best pass of --repeats
+at the start and one after each server series), written to
 build/bench/server_low_precision.json.
 
     python bench/bench_server.py --model-dir build/model --data-dir ../shared/data --low-precision
@@ -450,27 +451,41 @@ def main() -> None:
     write_report(args.out, report)
 
 
-def sentence_transformers(model_dir: Path, texts: list[str], repeats: int) -> list[Row]:
+class SentenceTransformers:
     """sentence-transformers in process on every core, batch 32, fp32 and (where torch has a native
-    kernel) bf16: what a user gets without this service. Best of `repeats` passes over `texts`."""
-    import torch
-    from bench_model import bf16_is_native, st_texts, st_weights
+    kernel) bf16: what a user gets without this service. Its passes can be spread over a run (`passes`
+    each time), and each row is its best pass: on a VM whose speed drifts (torch bf16 on one Xeon
+    ranged 5,537-13,080 tok/s over a morning's passes), the baseline then gets its best moment, not
+    just the run's first minute."""
 
-    torch.set_num_threads(usable_cores())
-    tokens = sum(Tokenizer(model_dir / TOKENIZER_FILE, 256).encode(texts).lengths)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if not bf16_is_native()[0]:
-        del dtypes["bf16"]
-    rows = []
-    for name, dtype in dtypes.items():
-        embed = st_texts(st_weights(Path(read_manifest(model_dir).source)), 256, dtype)(32)
-        embed(texts[:64])  # warm
-        runs = [tokens / _timed(embed, texts) for _ in range(repeats)]
-        best = max(runs)
-        rows.append(
-            Row(ST_SETUP.format(name), 0, 32, 0, 0, best * len(texts) / tokens, best, 0, 0, runs=runs)
-        )
-    return rows
+    def __init__(self, model_dir: Path, texts: list[str]) -> None:
+        import torch
+        from bench_model import bf16_is_native, st_texts, st_weights
+
+        torch.set_num_threads(usable_cores())
+        self.texts = texts
+        self.tokens = sum(Tokenizer(model_dir / TOKENIZER_FILE, 256).encode(texts).lengths)
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        if not bf16_is_native()[0]:
+            del dtypes["bf16"]
+        weights = st_weights(Path(read_manifest(model_dir).source))
+        self.embed = {name: st_texts(weights, 256, dtype)(32) for name, dtype in dtypes.items()}
+        self.runs: dict[str, list[float]] = {name: [] for name in dtypes}
+        for embed in self.embed.values():
+            embed(texts[:64])  # warm
+
+    def passes(self, n: int) -> None:
+        for _ in range(n):
+            for name, embed in self.embed.items():
+                self.runs[name].append(self.tokens / _timed(embed, self.texts))
+
+    def rows(self) -> list[Row]:
+        found = []
+        for name, runs in self.runs.items():
+            best = max(runs)
+            sentences_per_s = best * len(self.texts) / self.tokens
+            found.append(Row(ST_SETUP.format(name), 0, 32, 0, 0, sentences_per_s, best, 0, 0, runs=runs))
+        return found
 
 
 def _timed(embed: Any, texts: list[str]) -> float:
@@ -484,7 +499,9 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
     sentences per request, against sentence-transformers in process and each graph's in-process
     ceiling, all in this run. Server series alternate, so a slow spell of the machine favours neither."""
     distinct = list(dict.fromkeys(texts))[:1000]
-    baselines = sentence_transformers(model_dir, distinct, repeats)
+    st = SentenceTransformers(model_dir, distinct)
+    st.passes(repeats)
+    baselines = []
     for graph, name in ((FP32_FILE, "fp32"), (INT8_FILE, "int8")):
         for row in ceiling(model_dir, texts, repeats, graph=graph):
             row.setup = f"{row.setup}, {name}"
@@ -498,6 +515,8 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
         for precision in sorted(series, reverse=bool(i % 2)):
             flags = [*base, "--precision", precision]
             series[precision].append(run_server_levels(f"server, {precision}", flags, texts, plan, seconds))
+            st.passes(1)  # between the server series too: the baseline's best over the whole run
+    baselines = st.rows() + baselines
     served = [row for runs in series.values() for row in best_of(runs)]
     return baselines + served, low_precision_table(baselines, served)
 
