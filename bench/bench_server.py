@@ -455,7 +455,7 @@ class SentenceTransformers:
     """sentence-transformers in process on every core, batch 32, fp32 and (where torch has a native
     kernel) bf16: what a user gets without this service. Its passes can be spread over a run (`passes`
     each time), and each row is its best pass: on a VM whose speed drifts (torch bf16 on one Xeon
-    ranged 5,537-13,080 tok/s over a morning's passes), the baseline then gets its best moment, not
+    ranged 5,537-13,729 tok/s over a morning's passes), the baseline then gets its best moment, not
     just the run's first minute."""
 
     def __init__(self, model_dir: Path, texts: list[str]) -> None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 15's figures (CPU low precision) on any host, e.g. a 2-vCPU one, or the GPU host, whose Xeon
 # has AMX (amx_bf16, amx_int8, amx_tile in its `lscpu`) where the project's 2-vCPU machines are mostly
-# AMD EPYC (one Xeon with AMX was measured so: docs/benchmarks.md). Everything runs pinned to CORES (two cores: the layout of the
-# project's other low-precision figures, docs/benchmarks.md), so each ratio is within one run on the
-# same cores:
+# AMD EPYC (one Xeon with AMX was measured so: docs/benchmarks.md). Everything runs pinned to CORES
+# (two cores: the layout of the project's other low-precision figures, docs/benchmarks.md), so each
+# ratio is within one run on the same cores:
 #   1. bench/bench_model.py: fp32 and int8 in process, sentence-transformers fp32 and bf16, the
 #      matmul peaks, each row's share of its precision's peak, and each graph's one-thread profile;
 #   2. bench/bench_server.py --low-precision: int8 served beside fp32 served, against
