@@ -180,6 +180,15 @@ def onnx_texts(session: ort.InferenceSession, tokenizer: Tokenizer, batch: int, 
     return lambda texts: run(tokenizer.encode(texts).ids)
 
 
+def on_two_callers(work: Callable[[int], object]) -> None:
+    """work(0) and work(1) at once, each on a thread: the server's two instances."""
+    callers = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join()
+
+
 def two_callers(path: Path, tokenizer: Tokenizer, batch: int) -> EmbedTexts:
     """The server's CPU layout: two callers, each running every other length-sorted batch on a
     one-thread session of its own, as each of the server's instances has."""
@@ -188,14 +197,7 @@ def two_callers(path: Path, tokenizer: Tokenizer, batch: int) -> EmbedTexts:
     def run(rows: list[list[int]]) -> np.ndarray:
         batches = [rows[i : i + batch] for i in range(0, len(rows), batch)]
         parts: list[list[np.ndarray]] = [[], []]
-        callers = [
-            threading.Thread(target=lambda k=k: parts[k].extend(embedders[k](b) for b in batches[k::2]))
-            for k in range(2)
-        ]
-        for c in callers:
-            c.start()
-        for c in callers:
-            c.join()
+        on_two_callers(lambda k: parts[k].extend(embedders[k](b) for b in batches[k::2]))
         out = [parts[i % 2][i // 2] for i in range(len(batches))]
         return np.concatenate(out)
 
@@ -224,23 +226,17 @@ def interleaved(
     seconds = {name: np.zeros(rounds) for name in graphs}
     tokens = sum(len(r) for r in rows)
 
-    def caller(session: ort.InferenceSession, part: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        for ids, lengths in part:
-            run_graph(session, ids, lengths)
+    def caller(k: int, name: str, part: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for ids, lengths in part[k::2]:
+            run_graph(sessions[name][k], ids, lengths)
 
     for r in range(rounds + 1):
         names = list(graphs) if r % 2 == 0 else list(graphs)[::-1]
         for start in range(0, len(batches), chunk):
             part = batches[start : start + chunk]
             for name in names:
-                callers = [
-                    threading.Thread(target=caller, args=(sessions[name][k], part[k::2])) for k in range(2)
-                ]
                 began = time.perf_counter()
-                for c in callers:
-                    c.start()
-                for c in callers:
-                    c.join()
+                on_two_callers(lambda k, name=name, part=part: caller(k, name, part))
                 if r > 0:
                     seconds[name][r - 1] += time.perf_counter() - began
     base = next(iter(graphs))

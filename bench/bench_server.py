@@ -501,11 +501,11 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
     distinct = list(dict.fromkeys(texts))[:1000]
     st = SentenceTransformers(model_dir, distinct)
     st.passes(repeats)
-    baselines = []
+    ceilings = []
     for graph, name in ((FP32_FILE, "fp32"), (INT8_FILE, "int8")):
         for row in ceiling(model_dir, texts, repeats, graph=graph):
             row.setup = f"{row.setup}, {name}"
-            baselines.append(row)
+            ceilings.append(row)
     plan = [(64, 1), (64, 32)]
     # On the CPU even where a GPU is usable (the GPU host's Xeon, scripts/cpu-low-precision-check.sh):
     # auto would serve fp32 on CUDA and refuse int8 there.
@@ -516,7 +516,7 @@ def low_precision(model_dir: Path, texts: list[str], seconds: float, repeats: in
             flags = [*base, "--precision", precision]
             series[precision].append(run_server_levels(f"server, {precision}", flags, texts, plan, seconds))
             st.passes(1)  # between the server series too: the baseline's best over the whole run
-    baselines = st.rows() + baselines
+    baselines = st.rows() + ceilings
     served = [row for runs in series.values() for row in best_of(runs)]
     return baselines + served, low_precision_table(baselines, served)
 
